@@ -1,0 +1,119 @@
+"""The environment fingerprint: everything outside the spec that decides which plan is valid.
+
+A plan built on one GPU architecture, cuDNN or driver can fail or misbehave on another, so each of
+these is part of every cache key. Works with no GPU and no cuDNN: the fields then say so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from ._version import __version__
+
+NO_GPU = "none"
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What a built plan depends on besides its spec. Construct directly to inject one in tests."""
+
+    gpu_name: str = NO_GPU
+    compute_capability: tuple[int, int] = (0, 0)
+    sm_count: int = 0
+    cudnn_backend_version: int = 0
+    cudnn_frontend_version: str = NO_GPU
+    cuda_driver_version: int = 0
+    cuda_runtime_version: int = 0
+    deterministic: bool = False
+    allow_tf32: bool = True
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu_name != NO_GPU
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["compute_capability"] = list(self.compute_capability)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Environment":
+        values = dict(data)
+        values["compute_capability"] = tuple(values.get("compute_capability", (0, 0)))
+        return cls(**values)
+
+
+def environment(device: int | None = None, *, deterministic: bool = False, allow_tf32: bool = True) -> Environment:
+    """The fingerprint of this process on `device` (default 0), with the session's flags."""
+    base = _probe(0 if device is None else int(device))
+    return dataclasses.replace(base, deterministic=bool(deterministic), allow_tf32=bool(allow_tf32))
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: int) -> Environment:
+    backend, frontend = _cudnn_versions()
+    gpu = _gpu_properties(device)
+    return Environment(
+        gpu_name=gpu.get("name", NO_GPU),
+        compute_capability=gpu.get("cc", (0, 0)),
+        sm_count=gpu.get("sm_count", 0),
+        cudnn_backend_version=backend,
+        cudnn_frontend_version=frontend,
+        cuda_driver_version=gpu.get("driver", 0),
+        cuda_runtime_version=_runtime_version(),
+    )
+
+
+def _cudnn_versions() -> tuple[int, str]:
+    try:
+        import cudnn
+
+        return int(cudnn.backend_version()), str(cudnn.__version__)
+    except Exception:  # no frontend or no libcudnn: the fingerprint says so
+        return 0, NO_GPU
+
+
+# CUdevice_attribute values from cuda.h (stable since CUDA 2.x).
+_ATTR_SM_COUNT, _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 16, 75, 76
+
+
+def _gpu_properties(device: int) -> dict:
+    """Ask the driver API directly: needs no CUDA toolkit, CuPy or torch, and is silent with no GPU."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return {}
+    out: dict = {}
+    version = ctypes.c_int(0)
+    if cuda.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        out["driver"] = version.value
+    dev = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device) != 0:
+        return out
+    name = ctypes.create_string_buffer(256)
+    if cuda.cuDeviceGetName(name, 256, dev) == 0:
+        out["name"] = name.value.decode(errors="replace")
+
+    def attr(code: int) -> int:
+        value = ctypes.c_int(0)
+        return value.value if cuda.cuDeviceGetAttribute(ctypes.byref(value), code, dev) == 0 else 0
+
+    out["sm_count"] = attr(_ATTR_SM_COUNT)
+    out["cc"] = (attr(_ATTR_CC_MAJOR), attr(_ATTR_CC_MINOR))
+    return out
+
+
+def _runtime_version() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:  # CuPy absent or no libcudart: unknown
+        return 0
+
+
+def library_version() -> str:
+    return __version__

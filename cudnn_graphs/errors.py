@@ -1,0 +1,59 @@
+"""Typed errors. Every error carries the fields a caller needs to act on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CudnnGraphsError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class SpecError(CudnnGraphsError, ValueError):
+    """An op spec (or its dict form) is invalid; names the field and the offending value."""
+
+    def __init__(self, field: str, value: Any, reason: str):
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{field}={value!r}: {reason}")
+
+
+class ConfigError(CudnnGraphsError, ValueError):
+    """An environment variable holds a value this library cannot use."""
+
+    def __init__(self, variable: str, value: str, reason: str):
+        self.variable = variable
+        self.value = value
+        self.reason = reason
+        super().__init__(f"${variable}={value!r}: {reason}")
+
+
+class UnsupportedGraphError(CudnnGraphsError):
+    """cuDNN has no engine for this graph; carries the spec and cuDNN's own message."""
+
+    def __init__(self, spec: Any, message: str):
+        self.spec = spec
+        self.message = message
+        super().__init__(f"cuDNN cannot run {type(spec).__name__}: {message}")
+
+
+class FrontendMissingError(CudnnGraphsError, ImportError):
+    """The cuDNN frontend (`import cudnn`) is not importable."""
+
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+        super().__init__(
+            "the cuDNN frontend is not importable (pip install 'cudnn-graphs[cu12]' or '[cu13]'): "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+class KernelCompileError(CudnnGraphsError):
+    """A fallback CUDA kernel failed to compile; carries the compiler log and options."""
+
+    def __init__(self, kernel: str, log: str, options: tuple[str, ...]):
+        self.kernel = kernel
+        self.log = log
+        self.options = tuple(options)
+        super().__init__(f"compiling {kernel} with {' '.join(options)} failed:\n{log}")

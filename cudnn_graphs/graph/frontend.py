@@ -1,0 +1,49 @@
+"""The one place that imports the cuDNN frontend and smooths over its version differences.
+
+FE <= 1.27 ships pygraph as a pybind class; 1.28+ as a Python class that lowers to the backend and
+wants a handle object even for CPU-only graph construction (`cudnn.Handle(None)`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ..errors import FrontendMissingError
+from ..spec import dtypes
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn() -> Any:
+    try:
+        import cudnn as module
+    except Exception as err:  # ImportError, or OSError when libcudnn cannot load
+        raise FrontendMissingError(err) from err
+    return module
+
+
+def data_type(name: str) -> Any:
+    dt = cudnn().data_type
+    return {dtypes.FLOAT16: dt.HALF, dtypes.BFLOAT16: dt.BFLOAT16,
+            dtypes.FLOAT32: dt.FLOAT, dtypes.FLOAT64: dt.DOUBLE}[name]
+
+
+def new_graph(*, io_dtype: str, compute_dtype: str, handle: Any = None, name: str) -> Any:
+    """An empty pygraph with explicit io, intermediate and compute types."""
+    fe = cudnn()
+    kwargs: dict[str, Any] = {}
+    if handle is not None:
+        kwargs["handle"] = handle
+    elif hasattr(fe, "Handle"):
+        kwargs["handle"] = fe.Handle(None)  # FE >= 1.28 builds graphs on the CPU only with this
+    return fe.pygraph(
+        name=name,
+        io_data_type=data_type(io_dtype),
+        intermediate_data_type=data_type(compute_dtype),
+        compute_data_type=data_type(compute_dtype),
+        **kwargs,
+    )
+
+
+def version() -> str:
+    return str(cudnn().__version__)

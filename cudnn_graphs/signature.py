@@ -1,0 +1,50 @@
+"""Stable cache keys: sha256 over labelled, length-prefixed parts, schema version first.
+
+Never Python's hash() (salted per process) nor the frontend's key() (a std::hash of graph JSON
+that omits the GPU architecture): the key must be equal across processes and machines with equal
+inputs, and change when any input changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Iterable
+
+from .environment import Environment, environment
+
+SIGNATURE_SCHEMA = 1
+
+
+def _canonical_json(data) -> bytes:
+    # sort_keys + repr-exact floats: one byte string per value, whatever dict order built it.
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _digest(parts: Iterable[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for label, payload in parts:
+        for chunk in (label.encode(), payload):
+            h.update(struct.pack("<Q", len(chunk)))
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def spec_bytes(spec) -> bytes:
+    """The canonical encoding of a spec (its versioned dict form)."""
+    return _canonical_json(spec.to_dict())
+
+
+def environment_bytes(env: Environment) -> bytes:
+    return _canonical_json(env.to_dict())
+
+
+def signature(spec, env: Environment | None = None) -> str:
+    """Hex sha256 naming `spec` built in `env` (default: this process, GPU 0, default flags)."""
+    env = environment() if env is None else env
+    return _digest([
+        ("schema", str(SIGNATURE_SCHEMA).encode()),
+        ("spec", spec_bytes(spec)),
+        ("environment", environment_bytes(env)),
+    ])

@@ -1,0 +1,159 @@
+"""Shapes, padding, stride, dilation and memory layouts: parsing, checking, inference.
+
+Shapes are logical: (N, C, *spatial) for activations and (K, C/groups, *filter) for filters,
+whatever the memory layout; layouts only decide strides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from ..errors import SpecError
+
+CHANNELS_FIRST = "channels_first"
+CHANNELS_LAST = "channels_last"
+_LAYOUT_ALIASES = {
+    CHANNELS_FIRST: (CHANNELS_FIRST, None), CHANNELS_LAST: (CHANNELS_LAST, None),
+    "NCW": (CHANNELS_FIRST, 3), "NCL": (CHANNELS_FIRST, 3), "NCHW": (CHANNELS_FIRST, 4),
+    "NCDHW": (CHANNELS_FIRST, 5), "NWC": (CHANNELS_LAST, 3), "NLC": (CHANNELS_LAST, 3),
+    "NHWC": (CHANNELS_LAST, 4), "NDHWC": (CHANNELS_LAST, 5),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) or _is_numpy_int(value)
+
+
+def _is_numpy_int(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"
+
+
+def shape(field: str, value: Any, *, rank: int | None = None) -> tuple[int, ...]:
+    """A conv tensor shape: 3 to 5 positive ints (N, C and 1 to 3 spatial dims)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SpecError(field, value, "expected a sequence of ints")
+    dims = tuple(value)
+    if not all(_is_int(d) for d in dims):
+        raise SpecError(field, value, "every dim must be an int")
+    dims = tuple(int(d) for d in dims)
+    if rank is None and not 3 <= len(dims) <= 5:
+        raise SpecError(field, value, "expected 3 to 5 dims: N, C and 1, 2 or 3 spatial dims")
+    if rank is not None and len(dims) != rank:
+        raise SpecError(field, value, f"expected {rank} dims to match the other tensors")
+    if any(d <= 0 for d in dims):
+        raise SpecError(field, value, "every dim must be positive")
+    return dims
+
+
+def per_dim(field: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
+    """An int or one int per spatial dim (stride, dilation)."""
+    items = (value,) * nd if _is_int(value) else _sequence(field, value, nd)
+    if not all(_is_int(v) for v in items):
+        raise SpecError(field, value, f"expected an int or {nd} ints")
+    items = tuple(int(v) for v in items)
+    if any(v < minimum for v in items):
+        raise SpecError(field, value, f"every value must be >= {minimum}")
+    return items
+
+
+def _sequence(field: str, value: Any, nd: int) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SpecError(field, value, f"expected an int or a sequence of {nd}")
+    items = tuple(value)
+    if len(items) != nd:
+        raise SpecError(field, value, f"expected {nd} values, one per spatial dim")
+    return items
+
+
+def padding(value: Any, *, nd: int, stride: tuple[int, ...], dilation: tuple[int, ...],
+            filter_dims: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Padding as (pre, post) per spatial dim; accepts an int, one int per dim, pairs, 'valid', 'same'."""
+    if isinstance(value, str):
+        return _padding_mode(value, nd=nd, stride=stride, dilation=dilation, filter_dims=filter_dims)
+    if _is_int(value):
+        pairs = ((int(value), int(value)),) * nd
+    else:
+        items = _sequence("padding", value, nd)
+        pairs = tuple(_pair(value, item) for item in items)
+    if any(p < 0 for pair in pairs for p in pair):
+        raise SpecError("padding", value, "padding must be >= 0")
+    return pairs
+
+
+def _pair(whole: Any, item: Any) -> tuple[int, int]:
+    if _is_int(item):
+        return int(item), int(item)
+    if isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+        pair = tuple(item)
+        if len(pair) == 2 and all(_is_int(p) for p in pair):
+            return int(pair[0]), int(pair[1])
+    raise SpecError("padding", whole, "each spatial dim takes an int or a (pre, post) pair of ints")
+
+
+def _padding_mode(mode: str, *, nd, stride, dilation, filter_dims) -> tuple[tuple[int, int], ...]:
+    if mode == "valid":
+        return ((0, 0),) * nd
+    if mode != "same":
+        raise SpecError("padding", mode, "the string forms are 'valid' and 'same'")
+    if any(s != 1 for s in stride):
+        raise SpecError("padding", mode, f"'same' needs stride 1 (as in PyTorch), got stride={stride}")
+    # PyTorch puts the odd pixel of total padding at the end.
+    totals = [d * (k - 1) for d, k in zip(dilation, filter_dims)]
+    return tuple((t // 2, t - t // 2) for t in totals)
+
+
+def conv_output_dims(in_dims, filter_dims, pads, stride, dilation) -> tuple[int, ...]:
+    """The textbook formula, per spatial dim: floor((i + pre + post - d*(k-1) - 1) / s) + 1."""
+    return tuple(
+        (i + pre + post - d * (k - 1) - 1) // s + 1
+        for i, k, (pre, post), s, d in zip(in_dims, filter_dims, pads, stride, dilation)
+    )
+
+
+def canonical_layout(value: Any, rank: int) -> str:
+    key = value if isinstance(value, str) else None
+    if key not in _LAYOUT_ALIASES:
+        raise SpecError("layout", value, f"expected one of {list(_LAYOUT_ALIASES)}")
+    layout, alias_rank = _LAYOUT_ALIASES[key]
+    if alias_rank is not None and alias_rank != rank:
+        raise SpecError("layout", value, f"names a {alias_rank - 2}-D layout for {rank - 2}-D tensors")
+    return layout
+
+
+def packed_strides(dims: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """Dense strides for logical dims (N, C, *spatial) in the given layout."""
+    order = list(range(len(dims)))  # slowest to fastest
+    if layout == CHANNELS_LAST:
+        order = [0, *range(2, len(dims)), 1]
+    strides = [0] * len(dims)
+    step = 1
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= dims[axis]
+    return tuple(strides)
+
+
+def explicit_strides(value: Any, roles: Mapping[str, int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Validate {role: strides}; roles maps each allowed role to its rank. Canonical: sorted pairs."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = {str(role): strides for role, strides in items}
+    except (TypeError, ValueError):
+        raise SpecError("strides", value, "expected a mapping of tensor role to strides") from None
+    out = []
+    for role, strides in sorted(pairs.items()):
+        if role not in roles:
+            raise SpecError("strides", value, f"unknown tensor role {role!r}; expected one of {sorted(roles)}")
+        out.append((role, per_dim(f"strides[{role!r}]", strides, roles[role], minimum=1)))
+    return tuple(out)
+
+
+def check_no_overlap(field: str, dims: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """Refuse strides under which two elements share memory (outputs would race, inputs alias)."""
+    extent = 1
+    for stride, dim in sorted((s, d) for s, d in zip(strides, dims) if d > 1):
+        if stride < extent:
+            raise SpecError(field, strides, f"strides overlap for dims {dims}: elements would alias")
+        extent = stride * dim

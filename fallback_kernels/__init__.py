@@ -1,0 +1,1 @@
+"""CUDA C++ kernels for what cuDNN lacks, compiled at run time through CuPy (NVRTC)."""

@@ -1,0 +1,172 @@
+"""Every builder variant builds a cuDNN graph that the frontend validates, with no GPU."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from cudnn_graphs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, UnsupportedGraphError, build_graph
+from cudnn_graphs.graph import ROLE_UIDS, cudnn_dims
+
+ACTS = [None, "relu", ("leaky_relu", 0.2), "elu", ("elu", 0.5), "gelu", "gelu_tanh", "silu", "sigmoid",
+        "tanh", "softplus", ("softplus", 2.0)]
+DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+def _shapes(nd: int, groups: int):
+    x = (2, 8) + (7,) * nd
+    w = (8, 8 // groups) + (3,) * nd
+    return x, w
+
+
+def _nodes(part) -> list[tuple[str, str]]:
+    data = json.loads(repr(part.graph))
+    return [(n["name"], n.get("mode") or n["tag"]) for n in data["nodes"]]
+
+
+def _tensors(part) -> dict[int, dict]:
+    data = json.loads(repr(part.graph))["tensors"]
+    items = data.values() if isinstance(data, dict) else data
+    return {t["uid"]: t for t in items if t.get("uid_assigned", True) and not t["is_virtual"]}
+
+
+FWD_CASES = [
+    dict(dtype=dt, nd=nd, layout=layout, groups=g, stride=s, dilation=d, padding=p, bias=bias,
+         activation=act, residual=res, alpha=alpha, beta=beta)
+    for dt, nd, layout, (g, s, d, p), (bias, act, res, alpha, beta) in itertools.product(
+        DTYPES, (1, 2, 3), ("channels_first", "channels_last"),
+        [(1, 1, 1, 1), (2, 2, 1, ((1, 0),) * 1), (8, 1, 2, 2)],
+        [(False, None, False, 1.0, 1.0), (True, None, False, 1.0, 1.0), (True, "relu", False, 1.0, 1.0),
+         (True, ("elu", 0.5), True, 0.5, 2.0), (False, "gelu_tanh", True, 1.0, 1.0)],
+    )
+]
+
+
+def _fwd_spec(c):
+    x, w = _shapes(c["nd"], c["groups"])
+    padding = c["padding"] if isinstance(c["padding"], int) else c["padding"] * c["nd"]
+    return ConvFwdSpec(x, w, padding=padding, stride=c["stride"], dilation=c["dilation"], groups=c["groups"],
+                       dtype=c["dtype"], layout=c["layout"], bias=c["bias"], activation=c["activation"],
+                       residual=c["residual"], alpha=c["alpha"], beta=c["beta"])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_fwd_variants_validate(case, fused):
+    spec = _fwd_spec(case)
+    build = build_graph(spec, fused=fused)
+    roles = [r for part in build.parts for r in part.roles]
+    assert set(roles) - {"acc"} == set(spec.tensors())
+    assert build.fused == (fused or not spec.has_epilogue)
+    assert len(build.parts) == (1 if build.fused else 2)
+    last = build.parts[-1]
+    io = _tensors(last)
+    assert io[ROLE_UIDS["y"]]["dim"] == cudnn_dims(spec.tensors()["y"])[0]
+    assert io[ROLE_UIDS["y"]]["stride"] == cudnn_dims(spec.tensors()["y"])[1]
+
+
+@pytest.mark.parametrize("act", ACTS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_fwd_every_activation(act, dtype, fused):
+    x, w = _shapes(2, 1)
+    build = build_graph(ConvFwdSpec(x, w, padding=1, dtype=dtype, bias=True, activation=act), fused=fused)
+    names = [name for part in build.parts for name, _ in _nodes(part)]
+    assert names[0] == "conv" and "bias" in names
+
+
+@pytest.mark.parametrize("act", ACTS, ids=str)
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_dgrad_variants_validate(act, nd, fused):
+    x, w = _shapes(nd, 2)
+    spec = ConvBwdDataSpec((2, 8) + (4,) * nd, w, x, padding=1, stride=2, groups=2, dtype="float16",
+                           layout="channels_last", activation_backward=act)
+    build = build_graph(spec, fused=fused)
+    first = _nodes(build.parts[0])[0]
+    assert first == ("dgrad", "CONV_BPROP_DATA") or first[1] in ("CONV_DGRAD", "CONV_BPROP_DATA")
+    if spec.has_epilogue:
+        assert "pre_act" in build.parts[-1].roles
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias_grad", [False, True])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_wgrad_variants_validate(nd, dtype, bias_grad, fused):
+    x, w = _shapes(nd, 1)
+    spec = ConvBwdFilterSpec(x, (2, 8) + (5,) * nd, w, dtype=dtype, bias_grad=bias_grad, layout="channels_last")
+    build = build_graph(spec, fused=fused)
+    roles = {r for part in build.parts for r in part.roles}
+    assert roles == set(spec.tensors())
+    if bias_grad:
+        db = _tensors(build.parts[-1])[ROLE_UIDS["db"]]
+        assert db["dim"] == [1, 8] + [1] * max(2, nd)
+
+
+def test_one_d_runs_as_two_d_with_unit_height():
+    spec = ConvFwdSpec((2, 3, 10), (4, 3, 3), padding=((2, 1),), stride=2, layout="NWC")
+    build = build_graph(spec)
+    io = _tensors(build.parts[0])
+    assert io[ROLE_UIDS["x"]]["dim"] == [2, 3, 1, 10]
+    assert io[ROLE_UIDS["x"]]["stride"] == [30, 1, 30, 3]
+    conv = json.loads(repr(build.parts[0].graph))["nodes"][0]
+    assert conv["pre_padding"] == [0, 2] and conv["post_padding"] == [0, 1] and conv["stride"] == [1, 2]
+
+
+def test_scalars_carry_alpha_beta_and_activation_params():
+    spec = ConvFwdSpec((2, 8, 7, 7), (4, 8, 3, 3), residual=True, alpha=0.5, beta=2.0, activation=("elu", 0.3))
+    part = build_graph(spec).parts[0]
+    values = sorted(part.scalars.values())
+    assert values == sorted([0.5, 2.0, 0.0, 0.3])
+    assert all(uid >= 100 for uid in part.scalars)
+    modes = [mode for _, mode in _nodes(part)]
+    assert modes.count("ELU_FWD") == 1 and "MIN" in modes and "MAX" in modes
+
+
+def test_native_ops_when_parameters_are_default():
+    spec = ConvFwdSpec((2, 8, 7, 7), (4, 8, 3, 3), activation="elu")
+    part = build_graph(spec).parts[0]
+    assert [mode for _, mode in _nodes(part)] == ["CONV_FPROP", "ELU_FWD"] and part.scalars == {}
+
+
+def test_unfused_intermediate_is_compute_precision():
+    spec = ConvFwdSpec((2, 8, 7, 7), (4, 8, 3, 3), dtype="bfloat16", bias=True, activation="silu", layout="NHWC")
+    build = build_graph(spec, fused=False)
+    acc = build.intermediates["acc"]
+    assert acc.dtype == "float32" and acc.shape == spec.y_shape and acc.strides == spec.tensors()["y"].strides
+    conv_out = _tensors(build.parts[0])[ROLE_UIDS["acc"]]
+    assert conv_out["data_type"] == "FLOAT"
+
+
+def test_no_epilogue_builds_one_part_even_unfused():
+    spec = ConvFwdSpec((2, 8, 7, 7), (4, 8, 3, 3))
+    assert len(build_graph(spec, fused=False).parts) == 1
+
+
+def test_validate_failure_is_unsupported_graph_error(monkeypatch):
+    from cudnn_graphs.graph import builders
+
+    class Boom(RuntimeError):
+        pass
+
+    original = builders.frontend.new_graph
+
+    def broken(**kw):
+        g = original(**kw)
+
+        class Wrapper:
+            def __getattr__(self, name):
+                return getattr(g, name)
+
+            def validate(self):
+                raise Boom("cudnn says no")
+        return Wrapper()
+
+    monkeypatch.setattr(builders.frontend, "new_graph", broken)
+    spec = ConvFwdSpec((2, 8, 7, 7), (4, 8, 3, 3))
+    with pytest.raises(UnsupportedGraphError) as err:
+        build_graph(spec)
+    assert err.value.spec == spec and "cudnn says no" in err.value.message
