@@ -57,3 +57,15 @@ class KernelCompileError(CudnnGraphsError):
         self.log = log
         self.options = tuple(options)
         super().__init__(f"compiling {kernel} with {' '.join(options)} failed:\n{log}")
+
+
+class BufferMismatchError(CudnnGraphsError, ValueError):
+    """A buffer handed to a plan does not match the spec: names the role, what was expected and got."""
+
+    def __init__(self, role: str, what: str, expected: Any, got: Any):
+        self.role = role
+        self.what = what
+        self.expected = expected
+        self.got = got
+        super().__init__(f"buffer {role!r}: {what} expected {expected!r}, got {got!r}")
+

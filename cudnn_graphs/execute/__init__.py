@@ -1,0 +1,1 @@
+"""Execution: buffers of any framework checked against a spec and launched on their stream."""

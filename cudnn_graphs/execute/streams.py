@@ -1,0 +1,40 @@
+"""Streams and scratch memory in the buffers' own framework."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def stream_pointer(stream: Any, framework: str, device: int) -> int:
+    """The cudaStream_t to launch on: the given one, else the framework's current stream."""
+    if stream is not None:
+        if isinstance(stream, int):
+            return stream
+        for attr in ("cuda_stream", "ptr", "handle"):
+            value = getattr(stream, attr, None)
+            if isinstance(value, int):
+                return value
+        raise TypeError(f"stream: expected an int, torch.cuda.Stream or cupy Stream, got {type(stream).__name__}")
+    if framework == "torch":
+        return sys.modules["torch"].cuda.current_stream(device).cuda_stream
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with cupy.cuda.Device(device):
+            return cupy.cuda.get_current_stream().ptr
+    return 0  # raw pointers with no framework: the legacy default stream
+
+
+def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
+    """(owner, pointer) of nbytes of device memory from torch's caching allocator or CuPy's pool."""
+    if nbytes == 0:
+        return None, 0
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        owner = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        return owner, owner.data_ptr()
+    import cupy
+
+    with cupy.cuda.Device(device):
+        owner = cupy.cuda.alloc(nbytes)
+    return owner, owner.ptr

@@ -1,0 +1,139 @@
+"""A built plan: the spec's cuDNN graph(s) with one execution plan each, ready to execute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import BufferMismatchError
+from ..execute import buffers as _buffers
+from ..execute.streams import allocate, stream_pointer
+from ..graph import GraphBuild, ROLE_UIDS
+from ..graph import frontend
+
+
+@dataclass
+class PlannedPart:
+    """One graph of a build with its chosen execution plan."""
+
+    name: str
+    graph: Any = field(repr=False)
+    roles: tuple[str, ...]
+    index: int
+    engine: str
+    engine_id: int
+    knobs: dict
+    behavior_notes: tuple[str, ...]
+    workspace_size: int
+    # cuDNN reads pass-by-value scalars through a host pointer at every execute: keep them alive here.
+    scalars: dict[int, np.ndarray] = field(repr=False)
+
+
+@dataclass
+class Plan:
+    """Executable plan for one spec on one device."""
+
+    spec: Any
+    signature: str
+    device: int
+    fused: bool
+    deterministic: bool
+    parts: tuple[PlannedPart, ...]
+    intermediates: dict
+    handle: Any = field(repr=False)
+    build_ms: float = 0.0
+    _workspaces: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def workspace_size(self) -> int:
+        return max(p.workspace_size for p in self.parts)
+
+    @property
+    def accumulator_dtype(self) -> str:
+        return self.spec.compute_dtype
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return tuple(p.engine for p in self.parts)
+
+    def execute(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> None:
+        """Run on `stream` (default: the buffers' framework's current stream); checks every buffer first."""
+        self.bind(workspace=workspace, stream=stream, **buffers).launch()
+
+    def bind(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> "BoundPlan":
+        """Check buffers once; the returned object's `launch()` re-runs with no re-validation."""
+        infos = self._check(buffers)
+        framework = next((i.framework for i in infos.values() if i.framework != "pointer"), "pointer")
+        stream_ptr = stream_pointer(stream, framework, self.device)
+        owners = []
+        ws_ptr = self._workspace(workspace, framework, stream_ptr, owners)
+        ptrs = {role: info.ptr for role, info in infos.items()}
+        for role, desc in self.intermediates.items():
+            owner, ptr = allocate(_nbytes(desc), "torch" if framework == "torch" else "cupy", self.device)
+            owners.append(owner)
+            ptrs[role] = ptr
+        packs = [({**{ROLE_UIDS[r]: ptrs[r] for r in part.roles},
+                   **{uid: arr.ctypes.data for uid, arr in part.scalars.items()}}, part) for part in self.parts]
+        return BoundPlan(self, packs, ws_ptr, stream_ptr, owners)
+
+    def _check(self, buffers: dict[str, Any]) -> dict[str, _buffers.BufferInfo]:
+        expected = self.spec.tensors()
+        for role in buffers:
+            if role not in expected:
+                raise BufferMismatchError(role, "role", sorted(expected), role)
+        infos = {}
+        for role, desc in expected.items():
+            if buffers.get(role) is None:
+                raise BufferMismatchError(role, "buffer", f"a {desc.dtype} tensor of shape {desc.shape}", None)
+            info = _buffers.describe(buffers[role], role)
+            _buffers.check(info, desc, role, self.device)
+            infos[role] = info
+        return infos
+
+    def _workspace(self, workspace: Any, framework: str, stream_ptr: int, owners: list) -> int:
+        need = self.workspace_size
+        if workspace is not None:
+            info = _buffers.describe(workspace, "workspace")
+            if info.shape is not None and _nbytes_info(info) < need:
+                raise BufferMismatchError("workspace", "bytes", f">= {need}", _nbytes_info(info))
+            return info.ptr
+        key = (stream_ptr, framework)
+        if key not in self._workspaces:  # once per (plan, stream): reused by every later launch
+            self._workspaces[key] = allocate(need, framework if framework == "torch" else "cupy", self.device)
+        owner, ptr = self._workspaces[key]
+        owners.append(owner)
+        return ptr
+
+
+@dataclass
+class BoundPlan:
+    """A plan with its buffers checked and its variant packs built: `launch()` is the hot path."""
+
+    plan: Plan
+    packs: list
+    workspace_ptr: int
+    stream_ptr: int
+    owners: list = field(repr=False)
+
+    def launch(self) -> None:
+        fe = frontend.cudnn()
+        handle = self.plan.handle
+        fe.set_stream(handle=handle, stream=self.stream_ptr)
+        for pack, part in self.packs:
+            part.graph.execute_plan_at_index(pack, self.workspace_ptr, part.index, handle=handle)
+
+
+def _nbytes(desc) -> int:
+    from ..spec.dtypes import ITEMSIZE
+
+    span = 1 + sum((d - 1) * s for d, s in zip(desc.shape, desc.strides))
+    return span * ITEMSIZE[desc.dtype]
+
+
+def _nbytes_info(info) -> int:
+    count = 1
+    for d in info.shape:
+        count *= d
+    return count  # workspaces are byte buffers (uint8)
