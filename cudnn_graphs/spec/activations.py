@@ -75,7 +75,7 @@ def _finite(field: str, value: Any) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise SpecError(field, value, "must be finite")
-    return value
+    return value + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
 
 
 def as_activation(field: str, value: Any) -> Activation:

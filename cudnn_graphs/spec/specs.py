@@ -119,7 +119,7 @@ class _ConvSpec:
 def _finite(field_name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise SpecError(field_name, value, "expected a finite real number")
-    return float(value)
+    return float(value) + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
 
 
 def _flag(field_name: str, value: Any) -> bool:
