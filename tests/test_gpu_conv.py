@@ -24,15 +24,13 @@ def session():
     return cg.Session(allow_tf32=False)
 
 
-def _plan_or_skip(session, spec):
-    try:
-        return session.plan(spec)
-    except cg.UnsupportedGraphError as err:
-        pytest.skip(f"no cuDNN engine for this fused pattern (unfused fallback pending): {str(err)[:160]}")
+@pytest.fixture(scope="module")
+def unfused():
+    return cg.Session(allow_tf32=False, fuse=False)
 
 
 def _run(session, spec, inputs_scale=1.0):
-    plan = _plan_or_skip(session, spec)
+    plan = session.plan(spec)
     descs = spec.tensors()
     outputs = {"conv_fwd": ("y",), "conv_bwd_data": ("dx",), "conv_bwd_filter": ("dw", "db")}[spec.op]
     bufs = {r: (ref.poisoned(d) if r in outputs else ref.random(d, scale=inputs_scale)) for r, d in descs.items()}
@@ -224,3 +222,31 @@ def test_bad_buffers_rejected_before_launch(session, role, change, what):
     assert err.value.role == role and err.value.what == what
     if role != "y":
         assert torch.isnan(bufs["y"]).all()  # nothing launched
+
+
+FALLBACK_DTYPES = [("float16", "channels_last"), ("bfloat16", "channels_first"), ("float32", "channels_first"),
+                   ("float64", "channels_last")]
+
+
+@pytest.mark.parametrize("act", ACTS, ids=str)
+@pytest.mark.parametrize("dtype, layout", FALLBACK_DTYPES)
+def test_unfused_fwd_epilogue_kernel(unfused, act, dtype, layout):
+    spec = _fwd(dtype=dtype, layout=layout, bias=True, residual=True, alpha=0.5, beta=1.5, activation=act)
+    plan = _check_fwd(unfused, spec)
+    assert not plan.fused and len(plan.parts) == 2
+
+
+@pytest.mark.parametrize("act", ACTS, ids=str)
+@pytest.mark.parametrize("dtype, layout", FALLBACK_DTYPES)
+def test_unfused_dgrad_act_backward_kernel(unfused, act, dtype, layout):
+    _check_dgrad(unfused, _dgrad(dtype=dtype, layout=layout, act=act))
+
+
+@pytest.mark.parametrize("dtype, layout", DT_LAYOUTS)
+def test_bias_grad_any_path(session, dtype, layout):
+    _check_wgrad(session, _wgrad(dtype=dtype, layout=layout, bias_grad=True))
+
+
+def test_fallback_is_reported(session):
+    plan = session.plan(_wgrad(bias_grad=True))
+    assert plan.fused is False and plan.engines[-1].startswith("kernel:bias_grad")

@@ -60,12 +60,15 @@ class GraphBuild:
     intermediates: dict[str, TensorDesc]
 
 
-def build_graph(spec, *, fused: bool = True, handle: Any = None) -> GraphBuild:
-    """Build and validate the graph(s) of `spec`; `handle=None` builds on the CPU for inspection."""
+def build_graph(spec, *, fused: bool = True, handle: Any = None, acc_dtype: str | None = None) -> GraphBuild:
+    """Build and validate the graph(s) of `spec`; `handle=None` builds on the CPU for inspection.
+
+    `acc_dtype` is the dtype of the `acc` intermediate of an unfused build (default: compute dtype).
+    """
     builder = _BUILDERS.get(type(spec))
     if builder is None:
         raise TypeError(f"no graph builder for {type(spec).__name__}")
-    build = builder(spec, fused=fused or not spec.has_epilogue, handle=handle)
+    build = builder(spec, fused=fused or not spec.has_epilogue, handle=handle, acc_dtype=acc_dtype or spec.compute_dtype)
     for part in build.parts:
         try:
             part.graph.validate()
@@ -138,9 +141,9 @@ class _Builder:
         return GraphPart(self.name, self.graph, tuple(self.roles), dict(self.scalars.values))
 
 
-def _acc_desc(spec, desc: TensorDesc) -> TensorDesc:
-    """The intermediate between unfused parts: same shape and layout, compute precision."""
-    return TensorDesc(desc.shape, geometry.packed_strides(desc.shape, spec.layout), spec.compute_dtype)
+def _acc_desc(spec, desc: TensorDesc, acc_dtype: str) -> TensorDesc:
+    """The intermediate between unfused parts: same shape, the layout's packed strides."""
+    return TensorDesc(desc.shape, geometry.packed_strides(desc.shape, spec.layout), acc_dtype)
 
 
 def _compute(spec) -> Any:
@@ -149,7 +152,7 @@ def _compute(spec) -> Any:
 
 # -- forward ---------------------------------------------------------------------------------------
 
-def _fwd(spec: ConvFwdSpec, *, fused: bool, handle: Any) -> GraphBuild:
+def _fwd(spec: ConvFwdSpec, *, fused: bool, handle: Any, acc_dtype: str) -> GraphBuild:
     t = spec.tensors()
     conv = _Builder(spec, "conv_fwd" + ("+epilogue" if fused and spec.has_epilogue else ""), handle)
     out = conv.graph.conv_fprop(image=conv.input("x", t["x"]), weight=conv.input("w", t["w"]),
@@ -157,7 +160,7 @@ def _fwd(spec: ConvFwdSpec, *, fused: bool, handle: Any) -> GraphBuild:
     if fused:
         conv.output(_fwd_epilogue(conv, spec, out, t), "y", t["y"])
         return GraphBuild(spec, True, (conv.part(),), {})
-    acc = _acc_desc(spec, t["y"])
+    acc = _acc_desc(spec, t["y"], acc_dtype)
     conv.output(out, "acc", acc)
     epi = _Builder(spec, "fwd_epilogue", handle)
     epi.output(_fwd_epilogue(epi, spec, epi.input("acc", acc), t), "y", t["y"])
@@ -180,7 +183,7 @@ def _fwd_epilogue(b: _Builder, spec: ConvFwdSpec, value: Any, t: dict[str, Tenso
 
 # -- backward data ---------------------------------------------------------------------------------
 
-def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any) -> GraphBuild:
+def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any, acc_dtype: str) -> GraphBuild:
     t = spec.tensors()
     conv = _Builder(spec, "conv_bwd_data" + ("+act_backward" if fused and spec.has_epilogue else ""), handle)
     dx = conv.graph.conv_dgrad(loss=conv.input("dy", t["dy"]), filter=conv.input("w", t["w"]),
@@ -188,7 +191,7 @@ def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any) -> GraphBuild:
     if not spec.has_epilogue:
         conv.output(dx, "dx", t["dx"])
         return GraphBuild(spec, True, (conv.part(),), {})
-    acc = _acc_desc(spec, t["dx"])
+    acc = _acc_desc(spec, t["dx"], acc_dtype)
     if fused:
         dims, strides = cudnn_dims(acc)
         dx.set_dim(dims).set_stride(strides)  # virtual, but dgrad cannot infer dx's extent alone
@@ -206,7 +209,7 @@ def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any) -> GraphBuild:
 
 # -- backward filter -------------------------------------------------------------------------------
 
-def _wgrad(spec: ConvBwdFilterSpec, *, fused: bool, handle: Any) -> GraphBuild:
+def _wgrad(spec: ConvBwdFilterSpec, *, fused: bool, handle: Any, acc_dtype: str) -> GraphBuild:
     t = spec.tensors()
     conv = _Builder(spec, "conv_bwd_filter" + ("+bias_grad" if fused and spec.bias_grad else ""), handle)
     dy = conv.input("dy", t["dy"])

@@ -30,6 +30,14 @@ class PlannedPart:
     # cuDNN reads pass-by-value scalars through a host pointer at every execute: keep them alive here.
     scalars: dict[int, np.ndarray] = field(repr=False)
 
+    def prepare(self, ptrs: dict[str, int]) -> dict[int, int]:
+        pack = {ROLE_UIDS[role]: ptrs[role] for role in self.roles}
+        pack.update({uid: arr.ctypes.data for uid, arr in self.scalars.items()})
+        return pack
+
+    def run(self, pack: dict[int, int], workspace_ptr: int, stream_ptr: int, handle: Any) -> None:
+        self.graph.execute_plan_at_index(pack, workspace_ptr, self.index, handle=handle)
+
 
 @dataclass
 class Plan:
@@ -40,7 +48,7 @@ class Plan:
     device: int
     fused: bool
     deterministic: bool
-    parts: tuple[PlannedPart, ...]
+    parts: tuple  # PlannedPart (cuDNN) or fallback_kernels' KernelPart, in execution order
     intermediates: dict
     handle: Any = field(repr=False)
     build_ms: float = 0.0
@@ -74,8 +82,7 @@ class Plan:
             owner, ptr = allocate(_nbytes(desc), "torch" if framework == "torch" else "cupy", self.device)
             owners.append(owner)
             ptrs[role] = ptr
-        packs = [({**{ROLE_UIDS[r]: ptrs[r] for r in part.roles},
-                   **{uid: arr.ctypes.data for uid, arr in part.scalars.items()}}, part) for part in self.parts]
+        packs = [(part.prepare(ptrs), part) for part in self.parts]
         return BoundPlan(self, packs, ws_ptr, stream_ptr, owners)
 
     def _check(self, buffers: dict[str, Any]) -> dict[str, _buffers.BufferInfo]:
@@ -118,11 +125,10 @@ class BoundPlan:
     owners: list = field(repr=False)
 
     def launch(self) -> None:
-        fe = frontend.cudnn()
         handle = self.plan.handle
-        fe.set_stream(handle=handle, stream=self.stream_ptr)
+        frontend.cudnn().set_stream(handle=handle, stream=self.stream_ptr)
         for pack, part in self.packs:
-            part.graph.execute_plan_at_index(pack, self.workspace_ptr, part.index, handle=handle)
+            part.run(pack, self.workspace_ptr, self.stream_ptr, handle)
 
 
 def _nbytes(desc) -> int:

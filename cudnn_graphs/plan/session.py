@@ -23,13 +23,15 @@ class Session:
     """Plans specs on one device: validate -> operation graph -> heuristics A, FALLBACK -> build."""
 
     def __init__(self, *, device: int | None = None, deterministic: bool = False, allow_tf32: bool = True,
-                 max_workspace_bytes: int | None = None):
+                 max_workspace_bytes: int | None = None, fuse: bool = True):
+        """`fuse=False` skips the fused graph: conv graph, then the epilogue on its own (for comparison)."""
         if max_workspace_bytes is not None and (not isinstance(max_workspace_bytes, int) or max_workspace_bytes < 0):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r}: expected None or an int >= 0")
         self.device = 0 if device is None else int(device)
         self.deterministic = bool(deterministic)
         self.allow_tf32 = bool(allow_tf32)
         self.max_workspace_bytes = max_workspace_bytes
+        self.fuse = bool(fuse)
         self.env = environment(self.device, deterministic=self.deterministic, allow_tf32=self.allow_tf32)
         self._handle: Any = None
         self._plans: dict[str, Plan] = {}
@@ -59,10 +61,9 @@ class Session:
         start = time.perf_counter()
         failures = []
         with cupy.cuda.Device(self.device):
-            for fused in ((True, False) if spec.has_epilogue else (True,)):
+            for fused in ((True, False) if spec.has_epilogue and self.fuse else (not spec.has_epilogue,)):
                 try:
-                    build = build_graph(spec, fused=fused, handle=self.handle)
-                    parts = tuple(self._plan_part(part, spec) for part in build.parts)
+                    build, parts = self._plan_build(spec, fused)
                 except Exception as err:  # cuDNN declines with several exception types
                     failures.append(f"{'fused' if fused else 'unfused'}: {err}")
                     log.info("no plan for %s (%s): %s", spec.op, "fused" if fused else "unfused", err)
@@ -71,6 +72,26 @@ class Session:
                             deterministic=self.deterministic, parts=parts, intermediates=build.intermediates,
                             handle=self.handle, build_ms=(time.perf_counter() - start) * 1e3)
         raise UnsupportedGraphError(spec, " | ".join(failures))
+
+    def _plan_build(self, spec, fused: bool):
+        """Plan every graph of a build; an unfused epilogue cuDNN cannot plan becomes our kernel."""
+        build = build_graph(spec, fused=fused, handle=self.handle)
+        try:
+            conv = self._plan_part(build.parts[0], spec)
+        except Exception:
+            if fused or "acc" not in build.intermediates:
+                raise
+            # No engine writes the conv in compute precision: let it write the io dtype, as PyTorch does.
+            build = build_graph(spec, fused=False, handle=self.handle, acc_dtype=spec.dtype)
+            conv = self._plan_part(build.parts[0], spec)
+        parts = [conv]
+        for part in build.parts[1:]:
+            try:
+                parts.append(self._plan_part(part, spec))
+            except Exception as err:  # standalone pointwise graphs do not plan on cuDNN 9.19
+                log.info("%s: no cuDNN plan (%s); using the fallback kernel", part.name, err)
+                parts.append(_kernel_part(spec, part.name, build, self.device))
+        return build, tuple(parts)
 
     def _plan_part(self, part, spec) -> PlannedPart:
         fe = frontend.cudnn()
@@ -106,3 +127,15 @@ def _build_first(g) -> int:
         except Exception as err:  # a declined engine: try the next one
             errors.append(f"[{index}] {err}")
     raise RuntimeError("no execution plan could be built: " + ("; ".join(errors[-3:]) or "empty plan list"))
+
+
+def _kernel_part(spec, name: str, build, device: int):
+    from fallback_kernels import epilogue
+
+    if name == "fwd_epilogue":
+        return epilogue.fwd_epilogue(spec, build.intermediates["acc"], device)
+    if name == "act_backward":
+        return epilogue.act_backward(spec, build.intermediates["acc"], device)
+    if name == "bias_grad":
+        return epilogue.bias_grad(spec, device)
+    raise AssertionError(f"no fallback kernel for graph part {name!r}")
