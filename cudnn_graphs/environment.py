@@ -11,8 +11,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from ._version import __version__
-
 NO_GPU = "none"
 
 
@@ -113,7 +111,3 @@ def _runtime_version() -> int:
         return int(cupy.cuda.runtime.runtimeGetVersion())
     except Exception:  # CuPy absent or no libcudart: unknown
         return 0
-
-
-def library_version() -> str:
-    return __version__
