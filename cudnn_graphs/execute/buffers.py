@@ -1,7 +1,7 @@
 """What a buffer is (pointer, shape, strides, dtype, device, framework), whatever object holds it.
 
-Accepts torch tensors, CuPy arrays, anything with `__cuda_array_interface__` or `__dlpack__`, and
-raw device pointers (ints), for which the caller vouches for shape and layout.
+Accepts torch tensors, CuPy arrays, anything with `__cuda_array_interface__`, and raw device
+pointers (ints), for which the caller vouches for shape and layout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class BufferInfo(NamedTuple):
     strides: tuple[int, ...] | None  # in elements
     dtype: str | None
     device: int | None
-    framework: str  # "torch", "cupy", "cai", "dlpack", "pointer"
+    framework: str  # "torch", "cupy", "cai", "pointer"
 
 
 def describe(obj: Any, role: str) -> BufferInfo:

@@ -26,7 +26,7 @@ def stream_pointer(stream: Any, framework: str, device: int) -> int:
 
 
 def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
-    """(owner, pointer) of nbytes of device memory from torch's caching allocator or CuPy's pool."""
+    """(owner, pointer) of nbytes from torch's caching allocator for torch buffers, else CuPy's pool."""
     if nbytes == 0:
         return None, 0
     if framework == "torch":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,8 +11,8 @@ import numpy as np
 from ..errors import BufferMismatchError
 from ..execute import buffers as _buffers
 from ..execute.streams import allocate, stream_pointer
-from ..graph import GraphBuild, ROLE_UIDS
-from ..graph import frontend
+from ..graph import ROLE_UIDS, frontend
+from ..spec.dtypes import ITEMSIZE
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Plan:
     intermediates: dict
     handle: Any = field(repr=False)
     build_ms: float = 0.0
-    _workspaces: dict = field(default_factory=dict, repr=False)
+    _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
 
     @property
     def workspace_size(self) -> int:
@@ -75,13 +76,10 @@ class Plan:
         infos = self._check(buffers)
         framework = next((i.framework for i in infos.values() if i.framework != "pointer"), "pointer")
         stream_ptr = stream_pointer(stream, framework, self.device)
-        owners = []
-        ws_ptr = self._workspace(workspace, framework, stream_ptr, owners)
+        owners, scratch = self._scratch_for(stream_ptr, framework)
+        ws_ptr = scratch["workspace"] if workspace is None else self._given_workspace(workspace)
         ptrs = {role: info.ptr for role, info in infos.items()}
-        for role, desc in self.intermediates.items():
-            owner, ptr = allocate(_nbytes(desc), "torch" if framework == "torch" else "cupy", self.device)
-            owners.append(owner)
-            ptrs[role] = ptr
+        ptrs.update({role: scratch[role] for role in self.intermediates})
         packs = [(part.prepare(ptrs), part) for part in self.parts]
         return BoundPlan(self, packs, ws_ptr, stream_ptr, owners)
 
@@ -99,19 +97,20 @@ class Plan:
             infos[role] = info
         return infos
 
-    def _workspace(self, workspace: Any, framework: str, stream_ptr: int, owners: list) -> int:
-        need = self.workspace_size
-        if workspace is not None:
-            info = _buffers.describe(workspace, "workspace")
-            if info.shape is not None and _nbytes_info(info) < need:
-                raise BufferMismatchError("workspace", "bytes", f">= {need}", _nbytes_info(info))
-            return info.ptr
+    def _scratch_for(self, stream_ptr: int, framework: str) -> tuple[list, dict[str, int]]:
+        """Workspace and intermediates, allocated once per (plan, stream) and reused by every launch."""
         key = (stream_ptr, framework)
-        if key not in self._workspaces:  # once per (plan, stream): reused by every later launch
-            self._workspaces[key] = allocate(need, framework if framework == "torch" else "cupy", self.device)
-        owner, ptr = self._workspaces[key]
-        owners.append(owner)
-        return ptr
+        if key not in self._scratch:
+            sizes = {"workspace": self.workspace_size, **{r: _nbytes(d) for r, d in self.intermediates.items()}}
+            owned = {name: allocate(n, framework, self.device) for name, n in sizes.items()}
+            self._scratch[key] = ([o for o, _ in owned.values()], {name: p for name, (_, p) in owned.items()})
+        return self._scratch[key]
+
+    def _given_workspace(self, workspace: Any) -> int:
+        info = _buffers.describe(workspace, "workspace")
+        if info.shape is not None and math.prod(info.shape) < self.workspace_size:  # uint8 buffers
+            raise BufferMismatchError("workspace", "bytes", f">= {self.workspace_size}", math.prod(info.shape))
+        return info.ptr
 
 
 @dataclass
@@ -132,14 +131,5 @@ class BoundPlan:
 
 
 def _nbytes(desc) -> int:
-    from ..spec.dtypes import ITEMSIZE
-
     span = 1 + sum((d - 1) * s for d, s in zip(desc.shape, desc.strides))
     return span * ITEMSIZE[desc.dtype]
-
-
-def _nbytes_info(info) -> int:
-    count = 1
-    for d in info.shape:
-        count *= d
-    return count  # workspaces are byte buffers (uint8)
