@@ -5,18 +5,21 @@ plan -> cache -> execute.
 """
 
 from ._version import __version__
+from .api import conv_bwd_data, conv_bwd_filter, conv_fwd, default_session, run
 from .environment import Environment, environment
-from .errors import (BufferMismatchError, CudnnGraphsError, ConfigError, FrontendMissingError, KernelCompileError, SpecError,
-                     UnsupportedGraphError)
+from .errors import (BufferMismatchError, ConfigError, CudnnGraphsError, FrontendMissingError, GraphCaptureError,
+                     KernelCompileError, SpecError, UnsupportedGraphError)
 from .graph import GraphBuild, GraphPart, build_graph
 from .plan import Plan, Session
+from .requests import ConvBwdDataRequest, ConvBwdFilterRequest, ConvFwdRequest
 from .signature import signature
 from .spec import (ACTIVATIONS, Activation, ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, TensorDesc,
                    spec_from_dict)
 
 __all__ = [
-    "ACTIVATIONS", "Activation", "BufferMismatchError", "ConfigError", "ConvBwdDataSpec", "ConvBwdFilterSpec", "ConvFwdSpec",
-    "CudnnGraphsError", "Environment", "FrontendMissingError", "GraphBuild", "GraphPart",
-    "KernelCompileError", "Plan", "Session", "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__",
-    "build_graph", "environment", "signature", "spec_from_dict",
+    "ACTIVATIONS", "Activation", "BufferMismatchError", "ConfigError", "ConvBwdDataRequest", "ConvBwdDataSpec",
+    "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudnnGraphsError", "Environment",
+    "FrontendMissingError", "GraphBuild", "GraphCaptureError", "GraphPart", "KernelCompileError", "Plan", "Session",
+    "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data",
+    "conv_bwd_filter", "conv_fwd", "default_session", "environment", "run", "signature", "spec_from_dict",
 ]

@@ -69,3 +69,13 @@ class BufferMismatchError(CudnnGraphsError, ValueError):
         self.got = got
         super().__init__(f"buffer {role!r}: {what} expected {expected!r}, got {got!r}")
 
+
+
+class GraphCaptureError(CudnnGraphsError):
+    """A plan could not be recorded into a CUDA graph; it still runs through `launch()`."""
+
+    def __init__(self, spec: Any, engines: tuple[str, ...], cause: BaseException | None):
+        self.spec = spec
+        self.engines = tuple(engines)
+        self.cause = cause
+        super().__init__(f"CUDA-graph capture of {type(spec).__name__} (engines {list(engines)}) failed: {cause}")

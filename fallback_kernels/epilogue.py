@@ -71,6 +71,8 @@ class KernelPart:
     make_args: Any = field(repr=False)
     workspace_size: int = 0
     behavior_notes: tuple[str, ...] = ()
+    numerical_notes: tuple[str, ...] = ()
+    deterministic: bool = True  # elementwise, or one block per channel with a fixed reduction order
 
     def prepare(self, ptrs: dict[str, int]) -> tuple:
         return self.make_args({role: np.uint64(ptrs.get(role, 0)) for role in self.roles}, np.uint64(self.meta.data.ptr))
@@ -80,6 +82,14 @@ class KernelPart:
 
         with cupy.cuda.Device(self.device), _external_stream(stream_ptr):
             self.function((self.grid,), (self.block,), args)
+
+    def executor(self, args: tuple, workspace_ptr: int, stream_ptr: int, handle: Any) -> Any:
+        """A no-argument call that launches the kernel on `stream_ptr`."""
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device:  # a module is loaded per device: switch for the launch
+            return functools.partial(self.run, args, workspace_ptr, stream_ptr, handle)
+        return functools.partial(self.function, (self.grid,), (self.block,), args, stream=_external_stream(stream_ptr))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,7 +1,7 @@
 """What a buffer is (pointer, shape, strides, dtype, device, framework), whatever object holds it.
 
-Accepts torch tensors, CuPy arrays, anything with `__cuda_array_interface__`, and raw device
-pointers (ints), for which the caller vouches for shape and layout.
+Accepts torch tensors, CuPy arrays, anything with `__cuda_array_interface__` or `__dlpack__`, and
+raw device pointers (ints), for which the caller vouches for shape and layout.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from ..errors import BufferMismatchError
 from ..spec import TensorDesc
 from ..spec.dtypes import ITEMSIZE
+from . import dlpack
 
 _TYPESTR = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "<V2": "bfloat16", "<bf16": "bfloat16"}
 
@@ -22,23 +23,49 @@ class BufferInfo(NamedTuple):
     strides: tuple[int, ...] | None  # in elements
     dtype: str | None
     device: int | None
-    framework: str  # "torch", "cupy", "cai", "pointer"
+    framework: str  # "torch", "cupy", "cai", "dlpack", "pointer"
+    owner: Any = None  # what keeps the memory alive while a bound plan uses it (DLPack exports)
 
 
-def describe(obj: Any, role: str) -> BufferInfo:
+def framework_of(obj: Any) -> str:
+    """Which framework's stream and allocator serve this buffer; cheap, exports nothing."""
     if isinstance(obj, int) and not isinstance(obj, bool):
-        return BufferInfo(obj, None, None, None, None, "pointer")
+        return "pointer"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
+        return "torch"
+    if hasattr(obj, "__cuda_array_interface__"):
+        return "cupy" if type(obj).__module__.startswith("cupy") else "cai"
+    if hasattr(obj, "__dlpack__"):
+        return "dlpack"
+    return "unknown"
+
+
+def describe(obj: Any, role: str, *, stream: int | None = None) -> BufferInfo:
+    """`stream` is the one the launch will use: DLPack producers make their work visible to it."""
+    framework = framework_of(obj)
+    if framework == "pointer":
+        return BufferInfo(obj, None, None, None, None, "pointer")
+    if framework == "torch":
         if obj.device.type != "cuda":
             raise BufferMismatchError(role, "device", "a CUDA tensor", str(obj.device))
         return BufferInfo(obj.data_ptr(), tuple(obj.shape), tuple(obj.stride()),
                           str(obj.dtype).removeprefix("torch."), obj.device.index, "torch")
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        return _from_cai(obj, cai, role)
-    raise BufferMismatchError(role, "type", "a CUDA torch tensor, CuPy array, __cuda_array_interface__ object or int",
-                              type(obj).__name__)
+    if framework in ("cupy", "cai"):
+        return _from_cai(obj, obj.__cuda_array_interface__, role)
+    if framework == "dlpack":
+        return _from_dlpack(obj, role, stream)
+    raise BufferMismatchError(role, "type", "a CUDA torch tensor, CuPy array, __cuda_array_interface__ or "
+                              "__dlpack__ object, or an int device pointer", type(obj).__name__)
+
+
+def _from_dlpack(obj: Any, role: str, stream: int | None) -> BufferInfo:
+    device_type, _ = dlpack.device_of(obj)
+    if device_type not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
+        raise BufferMismatchError(role, "device", "a CUDA buffer", f"DLPack device type {device_type}")
+    # DLPack: 0 is ambiguous for CUDA, so the legacy default stream is spelled 1.
+    v = dlpack.view(obj, stream=None if stream is None else (stream or 1))
+    return BufferInfo(v.ptr, v.shape, v.strides, v.dtype, v.device_id, "dlpack", v.owner)
 
 
 def _from_cai(obj: Any, cai: dict, role: str) -> BufferInfo:
@@ -49,18 +76,10 @@ def _from_cai(obj: Any, cai: dict, role: str) -> BufferInfo:
     shape = tuple(cai["shape"])
     itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 2
     strides = cai.get("strides")
-    strides = _contiguous(shape) if strides is None else tuple(s // itemsize for s in strides)
+    strides = dlpack.contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
     device = getattr(getattr(obj, "device", None), "id", None)
     framework = "cupy" if type(obj).__module__.startswith("cupy") else "cai"
     return BufferInfo(int(cai["data"][0]), shape, strides, dtype or typestr, device, framework)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
 
 
 def check(info: BufferInfo, desc: TensorDesc, role: str, device: int) -> None:

@@ -38,3 +38,33 @@ def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
     with cupy.cuda.Device(device):
         owner = cupy.cuda.alloc(nbytes)
     return owner, owner.ptr
+
+
+def allocate_like(desc, *, like: Any, framework: str, device: int) -> Any:
+    """A new, uninitialised tensor for `desc` in the framework of `like` (CuPy for non-torch buffers)."""
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        return torch.empty_strided(desc.shape, desc.strides, dtype=getattr(torch, desc.dtype), device=like.device)
+    import cupy
+
+    dtype = _cupy_dtype(desc.dtype)
+    itemsize = dtype.itemsize
+    span = 1 + sum((d - 1) * s for d, s in zip(desc.shape, desc.strides))
+    with cupy.cuda.Device(device):
+        memory = cupy.cuda.alloc(span * itemsize)
+    return cupy.ndarray(desc.shape, dtype=dtype, memptr=memory, strides=tuple(s * itemsize for s in desc.strides))
+
+
+def _cupy_dtype(name: str):
+    import numpy
+
+    if name != "bfloat16":
+        return numpy.dtype(name)
+    try:
+        import ml_dtypes  # CuPy holds bfloat16 only through ml_dtypes' numpy dtype
+    except ImportError:
+        from ..errors import BufferMismatchError
+
+        raise BufferMismatchError("output", "dtype", "an output buffer passed in (CuPy needs ml_dtypes to "
+                                  "allocate bfloat16)", name) from None
+    return numpy.dtype(ml_dtypes.bfloat16)

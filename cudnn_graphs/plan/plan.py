@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,17 +28,50 @@ class PlannedPart:
     engine_id: int
     knobs: dict
     behavior_notes: tuple[str, ...]
+    numerical_notes: tuple[str, ...] | None  # None: the frontend's answer was not recognisable
     workspace_size: int
     # cuDNN reads pass-by-value scalars through a host pointer at every execute: keep them alive here.
     scalars: dict[int, np.ndarray] = field(repr=False)
+    nondeterministic_excluded: bool = False  # chosen from a list filtered to deterministic plans
+
+    @property
+    def deterministic(self) -> bool | None:
+        if self.nondeterministic_excluded:
+            return True
+        return None if self.numerical_notes is None else "NONDETERMINISTIC" not in self.numerical_notes
 
     def prepare(self, ptrs: dict[str, int]) -> dict[int, int]:
         pack = {ROLE_UIDS[role]: ptrs[role] for role in self.roles}
         pack.update({uid: arr.ctypes.data for uid, arr in self.scalars.items()})
         return pack
 
-    def run(self, pack: dict[int, int], workspace_ptr: int, stream_ptr: int, handle: Any) -> None:
-        self.graph.execute_plan_at_index(pack, workspace_ptr, self.index, handle=handle)
+    def executor(self, pack: dict[int, int], workspace_ptr: int, stream_ptr: int, handle: Any) -> Callable[[], None]:
+        """A no-argument call that runs this part; the backend's own entry point where there is one."""
+        fast = _backend_entry(self.graph, self.index, handle)
+        if fast is not None:
+            execute, cpp_index, backend_handle = fast
+            return functools.partial(execute, pack, workspace_ptr, cpp_index, backend_handle)
+        return functools.partial(self.graph.execute_plan_at_index, pack, workspace_ptr, self.index, handle=handle)
+
+
+def _backend_entry(graph: Any, index: int, handle: Any) -> tuple | None:
+    """(execute, backend index, backend handle) under FE >= 1.28's Python pygraph, else None.
+
+    That layer re-normalises the variant pack on every call (~10 us); for a backend plan it ends in
+    `_lowered_graph._execute_plan_at_index`, which we call directly with the pack built once.
+    Private names: any mismatch falls back to the public call.
+    """
+    try:
+        plans, lowered = graph._plans, graph._lowered_graph
+        if graph._engine_for(plans[index]) is not None:
+            return None  # a Python engine serves this plan
+        cfg = graph._materialize_backend_plan(index)
+        from cudnn._handle import to_backend_handle
+
+        execute = lowered._execute_plan_at_index
+    except (AttributeError, ImportError, IndexError, TypeError):
+        return None
+    return (execute, cfg.cpp_index, to_backend_handle(handle)) if cfg.cpp_index is not None else None
 
 
 @dataclass
@@ -48,10 +82,9 @@ class Plan:
     signature: str
     device: int
     fused: bool
-    deterministic: bool
     parts: tuple  # PlannedPart (cuDNN) or fallback_kernels' KernelPart, in execution order
     intermediates: dict
-    handle: Any = field(repr=False)
+    handles: Any = field(repr=False)  # the session's per-thread cuDNN handles for this device
     build_ms: float = 0.0
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
 
@@ -67,23 +100,39 @@ class Plan:
     def engines(self) -> tuple[str, ...]:
         return tuple(p.engine for p in self.parts)
 
+    @property
+    def deterministic(self) -> bool | None:
+        """True when every part is deterministic; None when cuDNN's notes for a part are unknown."""
+        flags = [p.deterministic for p in self.parts]
+        return False if False in flags else (None if None in flags else True)
+
+    def describe(self) -> dict[str, Any]:
+        """What was chosen, per part: engine name, id, knobs, notes and workspace."""
+        return {
+            "op": self.spec.op, "signature": self.signature, "device": self.device, "fused": self.fused,
+            "deterministic": self.deterministic, "accumulator_dtype": self.accumulator_dtype,
+            "workspace_size": self.workspace_size, "build_ms": round(self.build_ms, 3),
+            "parts": [_describe_part(p) for p in self.parts],
+        }
+
     def execute(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> None:
         """Run on `stream` (default: the buffers' framework's current stream); checks every buffer first."""
         self.bind(workspace=workspace, stream=stream, **buffers).launch()
 
     def bind(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> "BoundPlan":
         """Check buffers once; the returned object's `launch()` re-runs with no re-validation."""
-        infos = self._check(buffers)
-        framework = next((i.framework for i in infos.values() if i.framework != "pointer"), "pointer")
+        framework = _framework(buffers.values())
         stream_ptr = stream_pointer(stream, framework, self.device)
+        infos = self._check(buffers, stream_ptr)
         owners, scratch = self._scratch_for(stream_ptr, framework)
         ws_ptr = scratch["workspace"] if workspace is None else self._given_workspace(workspace)
         ptrs = {role: info.ptr for role, info in infos.items()}
         ptrs.update({role: scratch[role] for role in self.intermediates})
-        packs = [(part.prepare(ptrs), part) for part in self.parts]
-        return BoundPlan(self, packs, ws_ptr, stream_ptr, owners)
+        packs = [part.prepare(ptrs) for part in self.parts]
+        keep = owners + [i.owner for i in infos.values() if i.owner is not None]
+        return BoundPlan(self, packs, ws_ptr, self.handles.current(), stream_ptr, keep)
 
-    def _check(self, buffers: dict[str, Any]) -> dict[str, _buffers.BufferInfo]:
+    def _check(self, buffers: dict[str, Any], stream_ptr: int) -> dict[str, _buffers.BufferInfo]:
         expected = self.spec.tensors()
         for role in buffers:
             if role not in expected:
@@ -92,7 +141,7 @@ class Plan:
         for role, desc in expected.items():
             if buffers.get(role) is None:
                 raise BufferMismatchError(role, "buffer", f"a {desc.dtype} tensor of shape {desc.shape}", None)
-            info = _buffers.describe(buffers[role], role)
+            info = _buffers.describe(buffers[role], role, stream=stream_ptr)
             _buffers.check(info, desc, role, self.device)
             infos[role] = info
         return infos
@@ -115,19 +164,50 @@ class Plan:
 
 @dataclass
 class BoundPlan:
-    """A plan with its buffers checked and its variant packs built: `launch()` is the hot path."""
+    """A plan with its buffers checked and its calls prepared: `launch()` is the hot path."""
 
     plan: Plan
-    packs: list
+    packs: list = field(repr=False)
     workspace_ptr: int
-    stream_ptr: int
-    owners: list = field(repr=False)
+    handle: Any = field(repr=False)
+    stream_ptr: int = 0
+    owners: list = field(default_factory=list, repr=False)  # workspace, intermediates, DLPack exports
+
+    def __post_init__(self) -> None:
+        self.calls = self.calls_on(self.stream_ptr)
+
+    def calls_on(self, stream_ptr: int) -> list:
+        """One prepared call per part, launching on `stream_ptr`."""
+        return [part.executor(pack, self.workspace_ptr, stream_ptr, self.handle)
+                for part, pack in zip(self.plan.parts, self.packs)]
 
     def launch(self) -> None:
-        handle = self.plan.handle
-        frontend.cudnn().set_stream(handle=handle, stream=self.stream_ptr)
-        for pack, part in self.packs:
-            part.run(pack, self.workspace_ptr, self.stream_ptr, handle)
+        frontend.cudnn().set_stream(handle=self.handle, stream=self.stream_ptr)  # FE >= 1.28 skips it if unchanged
+        for call in self.calls:
+            call()
+
+    def capture(self) -> "CapturedPlan":
+        """Record one launch into a CUDA graph (stream capture); `replay()` re-runs it on this stream.
+
+        Runs the plan once first, so every kernel is loaded before capture. Raises GraphCaptureError
+        when some engine cannot be captured (the plan still runs through `launch()`).
+        """
+        from ..execute.capture import capture
+
+        self.launch()
+        return capture(self)
+
+
+def _describe_part(part) -> dict[str, Any]:
+    return {"name": part.name, "engine": part.engine, "engine_id": getattr(part, "engine_id", None),
+            "knobs": dict(getattr(part, "knobs", {}) or {}), "behavior_notes": list(part.behavior_notes),
+            "numerical_notes": None if part.numerical_notes is None else list(part.numerical_notes),
+            "deterministic": part.deterministic, "workspace_size": part.workspace_size}
+
+
+def _framework(buffers) -> str:
+    """The first framework among the buffers (raw pointers have none): its stream and allocator serve."""
+    return next((f for f in map(_buffers.framework_of, buffers) if f != "pointer"), "pointer")
 
 
 def _nbytes(desc) -> int:

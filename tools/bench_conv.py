@@ -1,0 +1,228 @@
+"""Benchmark: cudnn-graphs plans vs PyTorch on ResNet-50's conv layers, and host overhead per call.
+
+Run on a GPU host (torch is the comparison):  python3 tools/bench_conv.py --out results.json
+Times are medians of CUDA-event timings over repeated launch batches; inputs are random, never zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# (name, C, K, kernel, stride, input spatial) for ResNet-50 v1.5 (stride on the 3x3), unique shapes.
+RESNET50 = [
+    ("conv1", 3, 64, 7, 2, 224),
+    ("l1.1x1a", 64, 64, 1, 1, 56), ("l1.3x3", 64, 64, 3, 1, 56), ("l1.1x1b", 64, 256, 1, 1, 56),
+    ("l1.1x1c", 256, 64, 1, 1, 56),
+    ("l2.1x1a", 256, 128, 1, 1, 56), ("l2.3x3s2", 128, 128, 3, 2, 56), ("l2.1x1b", 128, 512, 1, 1, 28),
+    ("l2.down", 256, 512, 1, 2, 56), ("l2.1x1c", 512, 128, 1, 1, 28), ("l2.3x3", 128, 128, 3, 1, 28),
+    ("l3.1x1a", 512, 256, 1, 1, 28), ("l3.3x3s2", 256, 256, 3, 2, 28), ("l3.1x1b", 256, 1024, 1, 1, 14),
+    ("l3.down", 512, 1024, 1, 2, 28), ("l3.1x1c", 1024, 256, 1, 1, 14), ("l3.3x3", 256, 256, 3, 1, 14),
+    ("l4.1x1a", 1024, 512, 1, 1, 14), ("l4.3x3s2", 512, 512, 3, 2, 14), ("l4.1x1b", 512, 2048, 1, 1, 7),
+    ("l4.down", 1024, 2048, 1, 2, 14), ("l4.1x1c", 2048, 512, 1, 1, 7), ("l4.3x3", 512, 512, 3, 1, 7),
+]
+
+
+def time_ms(fn, *, inner: int, reps: int) -> float:
+    """Median ms per call: CUDA events around `inner` back-to-back calls, `reps` times."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return statistics.median(samples)
+
+
+def pair(ours, theirs, *, inner: int, reps: int) -> tuple[float, float]:
+    """Interleave the two so clock drift hits both alike; medians of each."""
+    a, b = [], []
+    for _ in range(3):
+        a.append(time_ms(ours, inner=inner, reps=reps))
+        b.append(time_ms(theirs, inner=inner, reps=reps))
+    return statistics.median(a), statistics.median(b)
+
+
+def layer_cases(batch: int):
+    import cudnn_graphs as cg
+
+    for name, c, k, r, s, hw in RESNET50:
+        pad = r // 2
+        x = (batch, c, hw, hw)
+        w = (k, c, r, r)
+        common = dict(padding=pad, stride=s, dtype="float16", layout="channels_last")
+        fwd = cg.ConvFwdSpec(x, w, bias=True, activation="relu", **common)
+        yield name, fwd, cg.ConvBwdDataSpec(fwd.y_shape, w, x, **common), cg.ConvBwdFilterSpec(x, fwd.y_shape, w, **common)
+
+
+def bench_layers(session, *, batch: int, inner: int, reps: int, check: bool):
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for name, fwd, dgrad, wgrad in layer_cases(batch):
+        x = torch.randn(fwd.x_shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        w = (torch.randn(fwd.w_shape, device="cuda", dtype=torch.float16) * 0.05).contiguous(memory_format=torch.channels_last)
+        b = torch.randn(fwd.w_shape[0], device="cuda", dtype=torch.float16)
+        y = torch.full(fwd.y_shape, float("nan"), device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn(fwd.y_shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+        stride, pad = fwd.stride, [p for p, _ in fwd.padding]
+        row = {"layer": name, "x": list(fwd.x_shape), "w": list(fwd.w_shape), "stride": fwd.stride[0]}
+
+        f_plan, d_plan, w_plan = session.plan(fwd), session.plan(dgrad), session.plan(wgrad)
+        f_bound = f_plan.bind(x=x, w=w, bias=b, y=y)
+        d_bound = d_plan.bind(dy=dy, w=w, dx=dx)
+        w_bound = w_plan.bind(x=x, dy=dy, dw=dw)
+
+        def torch_fwd():
+            F.relu(F.conv2d(x, w, b, stride=stride, padding=pad), inplace=True)
+
+        def torch_dgrad():
+            torch.ops.aten.convolution_backward(dy, x, w, None, stride, pad, [1, 1], False, [0, 0], 1,
+                                                [True, False, False])
+
+        def torch_wgrad():
+            torch.ops.aten.convolution_backward(dy, x, w, None, stride, pad, [1, 1], False, [0, 0], 1,
+                                                [False, True, False])
+
+        for kind, ours, theirs, plan in (("fwd", f_bound.launch, torch_fwd, f_plan),
+                                         ("dgrad", d_bound.launch, torch_dgrad, d_plan),
+                                         ("wgrad", w_bound.launch, torch_wgrad, w_plan)):
+            t_ours, t_torch = pair(ours, theirs, inner=inner, reps=reps)
+            row[kind] = {"ours_ms": t_ours, "torch_ms": t_torch, "speedup": t_torch / t_ours,
+                         "engines": list(plan.engines), "fused": plan.fused}
+        if check:
+            row["rel_err"] = _check(x, w, b, y, dy, dx, dw, stride, pad)
+        rows.append(row)
+        print(f"{name:10s} fwd {row['fwd']['speedup']:.2f}x  dgrad {row['dgrad']['speedup']:.2f}x  "
+              f"wgrad {row['wgrad']['speedup']:.2f}x", flush=True)
+    return rows
+
+
+def _check(x, w, b, y, dy, dx, dw, stride, pad) -> dict:
+    """Errors of the last timed outputs against float64 torch (they ran on random inputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.cuda.synchronize()
+    xd = x.double().requires_grad_(True)
+    wd = w.double().requires_grad_(True)
+    out = F.conv2d(xd, wd, stride=stride, padding=pad)
+    out.backward(dy.double())
+    want_y = F.relu(out.detach() + b.double().view(1, -1, 1, 1))
+
+    def err(got, want):
+        return float((got.double() - want).norm() / want.norm()) if not torch.isnan(got).any() else math.inf
+
+    return {"y": err(y, want_y), "dx": err(dx, xd.grad), "dw": err(dw, wd.grad)}
+
+
+def bench_host_overhead(session, *, calls: int) -> dict:
+    """Host time per call for a tiny conv: the GPU never becomes the bottleneck."""
+    import torch
+    import torch.nn.functional as F
+
+    import cudnn_graphs as cg
+    from cudnn_graphs.graph import frontend
+
+    spec = cg.ConvFwdSpec((1, 8, 8, 8), (8, 8, 3, 3), padding=1, dtype="float16", layout="channels_last",
+                          bias=True, activation="relu")
+    x = torch.randn(spec.x_shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(spec.w_shape, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(8, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    plan = session.plan(spec)
+    bound = plan.bind(x=x, w=w, bias=b, y=y)
+    part = plan.parts[0]
+    ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
+    pack = {1: x, 2: w, 3: b, 5: y}
+    handle = session.handle
+    frontend.cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+
+    def fe_execute():
+        part.graph.execute_plan_at_index(pack, ws, part.index, handle=handle)
+
+    request = cg.ConvFwdRequest(x, w, y=y, bias=b, padding=1, activation="relu")
+    variants = {
+        "bound_launch": bound.launch,
+        "frontend_execute_plan_at_index": fe_execute,
+        "plan_execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
+        "session_run_request": lambda: session.run(request),
+        "torch_conv2d_relu": lambda: F.relu(F.conv2d(x, w, b, padding=1), inplace=True),
+    }
+    out = {}
+    for name, fn in variants.items():
+        per_call = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        out[name] = statistics.median(per_call)
+    return out
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--inner", type=int, default=10, help="launches per timed batch")
+    parser.add_argument("--reps", type=int, default=10, help="timed batches per measurement")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per host-overhead sample")
+    parser.add_argument("--out", type=Path, default=None, help="write the full results as JSON here")
+    parser.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import cudnn_graphs as cg
+
+    session = cg.Session()
+    t0 = time.perf_counter()
+    rows = bench_layers(session, batch=args.batch, inner=args.inner, reps=args.reps, check=not args.no_check)
+    host = bench_host_overhead(session, calls=args.calls)
+    summary = {k: geomean(r[k]["speedup"] for r in rows) for k in ("fwd", "dgrad", "wgrad")}
+    summary.update({f"{k}_min": min(r[k]["speedup"] for r in rows) for k in ("fwd", "dgrad", "wgrad")})
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "env": session.env.to_dict(),
+              "batch": args.batch, "layers": rows, "host_overhead_us": host, "summary": summary,
+              "seconds": time.perf_counter() - t0}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(f"\n{'layer':10s} {'fwd ms':>8s} {'torch':>8s} {'x':>5s} {'dgrad':>8s} {'torch':>8s} {'x':>5s} "
+          f"{'wgrad':>8s} {'torch':>8s} {'x':>5s}  max rel err")
+    for r in rows:
+        cells = " ".join(f"{r[k]['ours_ms']:8.4f} {r[k]['torch_ms']:8.4f} {r[k]['speedup']:5.2f}"
+                         for k in ("fwd", "dgrad", "wgrad"))
+        err = max(r.get("rel_err", {"-": 0}).values())
+        print(f"{r['layer']:10s} {cells}  {err:.1e}")
+    print("geo-mean speedup vs torch: " + ", ".join(f"{k} {summary[k]:.3f}x (min {summary[k + '_min']:.2f}x)"
+                                                   for k in ("fwd", "dgrad", "wgrad")))
+    print("host us/call: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
