@@ -1,5 +1,13 @@
-"""Storage of plan records: bytes + metadata in, out. Knows nothing of cuDNN.
+"""A persistent on-disk store of plan records: bytes + plain metadata in, out. Knows nothing of cuDNN or GPUs.
 
-The record format, the store and eviction arrive with the persistent-cache work; this package is
-kept separate so it can be used (and tested) without a GPU or the cuDNN frontend.
+`PlanStore(root)` keeps each `PlanRecord` in its own self-checking file (see `plan_cache.record` for the
+format), is safe for many processes at once, caps its size by evicting least recently used records, and treats
+any corrupt or untrusted file as a miss. Kept separate from `cudnn_graphs` so it can be used and tested without
+a GPU or the cuDNN frontend.
 """
+
+from .errors import CacheError, CorruptRecordError, UntrustedCacheError
+from .record import FORMAT_VERSION, PlanRecord
+from .store import PlanStore
+
+__all__ = ["FORMAT_VERSION", "CacheError", "CorruptRecordError", "PlanRecord", "PlanStore", "UntrustedCacheError"]

@@ -1,0 +1,42 @@
+"""Typed errors of the plan cache. Each carries the fields a caller needs to act on it."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+
+class CacheError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class CorruptRecordError(CacheError, ValueError):
+    """Bytes on disk are not a valid record; `reason` says which check failed.
+
+    Used inside the package: the store turns it into a miss, a quarantined file and one warning.
+    """
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(f"corrupt plan record: {reason}")
+
+
+class UntrustedCacheError(CacheError, PermissionError):
+    """The cache root (or a directory in it) is owned by another user or writable by group/others.
+
+    Loading a plan loads native code, so such a directory is refused rather than used.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], reason: str):
+        self.path = os.fspath(path)
+        self.reason = reason
+        self.message = (f"refusing plan cache directory {self.path!r}: {reason}. "
+                        f"Fix: `chmod 700 {self.path}` if it is yours, or choose another cache directory")
+        # errno/strerror/filename set so code that handles PermissionError generically still gets sense out of it.
+        super().__init__(errno.EACCES, self.message, self.path)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))

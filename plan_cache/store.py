@@ -1,0 +1,520 @@
+"""PlanStore: a directory of self-checking plan records, safe to share between processes.
+
+Layout under `root` (every directory mode 0o700, every file 0o600):
+
+    root/v1/<key[:2]>/<key>.rec       one record (format: plan_cache.record); its mtime is the last use
+    root/v1/<key[:2]>/.tmp-<pid>-<hex> a write in progress, or debris of a killed writer (swept once stale)
+    root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
+    root/.evict.lock                  FileLock held only while evicting (.evict.softlock where flock fails)
+
+Parts, in order: trust checks, reading (get), writing (put), eviction, maintenance (verify, delete, clear).
+Concurrency model: readers and writers take no lock. A write goes to a unique temp file in the record's own
+directory, is fsynced and then `os.replace`d over the record's name, so a reader opens either the old whole
+file or the new whole file. Only eviction takes a lock, so that two evictors do not both delete to the cap.
+Nothing here raises on a bad disk: a bad record is a miss, a failed write is `False`, each with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import filelock
+
+from .errors import CorruptRecordError, UntrustedCacheError
+from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
+
+__all__ = ["PlanStore", "STALE_TEMP_AGE", "TOUCH_INTERVAL", "QUARANTINE_KEEP"]
+
+logger = logging.getLogger("plan_cache")
+
+STALE_TEMP_AGE = 600.0  # seconds without a write after which a temp file is a dead writer's debris
+TOUCH_INTERVAL = 1.0  # a hit rewrites the last-use time only when it is older than this: hot gets stay read-only
+QUARANTINE_KEEP = 32  # quarantined files kept for inspection; older ones are deleted
+RECORD_SUFFIX = ".rec"
+TEMP_PREFIX = ".tmp-"
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_COUNTERS = ("hits", "misses", "puts", "puts_skipped", "evictions", "corrupt", "untrusted")
+
+
+class _Entry(NamedTuple):
+    path: str
+    size: int
+    mtime_ns: int
+    ino: int
+
+
+class _Loaded(NamedTuple):
+    status: str  # "ok", "missing", "corrupt", "untrusted" or "unreadable"
+    record: PlanRecord | None = None
+    stat: os.stat_result | None = None
+
+
+# --- trust ---------------------------------------------------------------------------------------------------
+
+def _euid() -> int | None:
+    getter = getattr(os, "geteuid", None)  # absent on Windows, where ownership is not checked
+    return getter() if getter is not None else None
+
+
+def _distrust(st: os.stat_result) -> str | None:
+    """Why a file or directory with this stat must not be trusted, or None if it may be."""
+    uid = _euid()
+    if uid is not None and st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if os.name == "posix" and st.st_mode & 0o022:
+        return f"mode {stat.filemode(st.st_mode)} ({oct(st.st_mode & 0o777)}) lets group or others write"
+    return None
+
+
+def _trusted_dir(path: Path) -> None:
+    """Create `path` 0o700 if absent; refuse it if it is not a directory we alone can write."""
+    try:
+        path.mkdir(mode=_DIR_MODE, parents=True)
+        os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
+    except FileExistsError:
+        pass
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "plan cache path is not a directory", os.fspath(path))
+    reason = _distrust(st)
+    if reason is not None:
+        raise UntrustedCacheError(path, reason)
+
+
+def _number(name: str, value: Any, *, allow_none: bool = False) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: {value!r} must be a finite number >= 0")
+    return value
+
+
+def _scandir(path: str | Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):  # removed by a concurrent clear or a person
+        return []
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable. Not possible everywhere (Windows, some network filesystems): best effort."""
+    flags = getattr(os, "O_DIRECTORY", None)
+    if flags is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | flags | _O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]  # os.write may write less than asked (signals, >2 GiB on Linux)
+
+
+class PlanStore:
+    """A persistent, process-safe store of `PlanRecord`s under `root`.
+
+    `max_bytes` caps the total size of record files (least recently used records are evicted after a put);
+    `lock_timeout` bounds the wait for the eviction lock (on timeout eviction is skipped this time);
+    `stale_temp_age` is the age after which a temp file counts as a dead writer's and is swept;
+    `touch_interval` throttles last-use updates on hits (0: record every hit).
+    Raises UntrustedCacheError (a PermissionError) when `root` is not ours alone; `open_or_none` does not.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, lock_timeout: float = 10.0,
+                 stale_temp_age: float = STALE_TEMP_AGE, touch_interval: float = TOUCH_INTERVAL):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
+            raise TypeError(f"max_bytes: expected int or None, got {type(max_bytes).__name__}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes: {max_bytes} must be > 0 (None for no cap)")
+        self._max_bytes = max_bytes
+        self._lock_timeout = float(_number("lock_timeout", lock_timeout))
+        self._stale_temp_age = float(_number("stale_temp_age", stale_temp_age))
+        self._touch_interval_ns = int(_number("touch_interval", touch_interval) * 1e9)
+        self._root = Path(os.fspath(root))
+        self._records = self._root / f"v{FORMAT_VERSION}"
+        self._quarantine = self._root / "quarantine"
+        self._use_soft_lock = False
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._counts_lock = threading.Lock()
+        _trusted_dir(self._root)
+        _trusted_dir(self._records)
+
+    @classmethod
+    def open_or_none(cls, root: str | os.PathLike[str], **kwargs: Any) -> PlanStore | None:
+        """The store, or None (after one warning) when `root` is untrusted or unusable: caller goes memory-only."""
+        try:
+            return cls(root, **kwargs)
+        except OSError as err:  # UntrustedCacheError is a PermissionError, hence an OSError
+            logger.warning("plan cache: persistent cache disabled, plans are kept in memory only: %s", err)
+            return None
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._max_bytes
+
+    def __repr__(self) -> str:
+        return f"PlanStore({os.fspath(self._root)!r}, max_bytes={self._max_bytes})"
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts[name] += 1
+
+    def _record_path(self, key: str) -> Path:
+        return self._records / key[:2] / f"{key}{RECORD_SUFFIX}"
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def get(self, key: str) -> PlanRecord | None:
+        """The record stored under `key`, or None when absent, corrupt or untrusted (never raises for those)."""
+        validate_key(key)
+        path = self._record_path(key)
+        loaded = self._load(path, key)
+        if loaded.status != "ok":
+            self._count("misses")
+            return None
+        self._count("hits")
+        self._touch(path, loaded.stat)
+        return loaded.record
+
+    def _load(self, path: Path, key: str) -> _Loaded:
+        try:
+            # O_NOFOLLOW: a symlink planted in the cache must not make us load a file from elsewhere.
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_BINARY)
+        except FileNotFoundError:
+            return _Loaded("missing")
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return self._reject(path, None, "is a symbolic link", status="untrusted")
+            logger.warning("plan cache: cannot open %s (%s); treated as a miss", path, err)
+            return _Loaded("unreadable")
+        with os.fdopen(fd, "rb") as file:
+            st = os.fstat(fd)
+            status, reason = self._refusal(st)
+            if status is None:
+                try:
+                    data = file.read()
+                except OSError as err:
+                    logger.warning("plan cache: cannot read %s (%s); treated as a miss", path, err)
+                    return _Loaded("unreadable")
+        if status is not None:  # rejected after closing: Windows cannot move an open file
+            return self._reject(path, st, reason, status=status)
+        try:
+            record = decode(data, expected_key=key).record
+        except CorruptRecordError as err:
+            return self._reject(path, st, err.reason, status="corrupt")
+        return _Loaded("ok", record, st)
+
+    @staticmethod
+    def _refusal(st: os.stat_result) -> tuple[str | None, str]:
+        """(status, reason) for a record file that must not be read, else (None, "")."""
+        if not stat.S_ISREG(st.st_mode):
+            return "untrusted", "not a regular file"
+        reason = _distrust(st)
+        if reason is not None:  # deserialising a plan loads native code: never from a file others control
+            return "untrusted", reason
+        if st.st_size > MAX_RECORD_BYTES:
+            return "corrupt", f"{st.st_size} bytes is larger than any record"
+        return None, ""
+
+    def _touch(self, path: Path, st: os.stat_result) -> None:
+        # Last use lives in the record's own mtime, set explicitly: no sidecar to orphan, works on noatime mounts,
+        # and a put (a new file) starts it at "now". Throttled so that hot hits do not write.
+        now = time.time_ns()
+        if now - st.st_mtime_ns < self._touch_interval_ns:
+            return
+        try:
+            os.utime(path, ns=(now, now))
+        except OSError:  # evicted or replaced meanwhile: a lost touch only makes LRU order slightly stale
+            pass
+
+    def _reject(self, path: Path, st: os.stat_result | None, reason: str, *, status: str) -> _Loaded:
+        """Count, quarantine and log (exactly one warning) a record that must not be used."""
+        self._count(status)
+        outcome = self._move_to_quarantine(path, st)
+        logger.warning("plan cache: %s record %s (%s); %s; treated as a miss", status, path, reason, outcome)
+        return _Loaded(status)
+
+    def _move_to_quarantine(self, path: Path, st: os.stat_result | None) -> str:
+        if st is not None:
+            try:
+                now = os.lstat(path)
+            except FileNotFoundError:
+                return "already removed"
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return "left in place: a newer write replaced it"  # do not quarantine a good record
+        dest = self._quarantine / f"{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
+        try:
+            self._quarantine.mkdir(mode=_DIR_MODE, exist_ok=True)
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return "already removed"
+        except OSError as err:
+            try:
+                os.unlink(path)
+            except OSError:
+                return f"left in place: cannot move or delete it ({err})"
+            return f"deleted: cannot quarantine it ({err})"
+        self._prune_quarantine()
+        return f"moved to {dest}"
+
+    def _prune_quarantine(self) -> None:
+        entries = sorted(_scandir(self._quarantine), key=lambda e: e.name)  # names start with time_ns: oldest first
+        for entry in entries[:max(0, len(entries) - QUARANTINE_KEEP)]:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+    # --- writing ---------------------------------------------------------------------------------------------
+
+    def put(self, record: PlanRecord) -> bool:
+        """Store `record` (replacing any under its key). False, with one warning, if it cannot be stored."""
+        data = encode(record)
+        limit = min(self._max_bytes or MAX_RECORD_BYTES, MAX_RECORD_BYTES)
+        if len(data) > limit:
+            self._count("puts_skipped")
+            logger.warning("plan cache: record %s is %d bytes, over the cache's %d-byte cap; not stored",
+                           record.key, len(data), limit)
+            return False
+        path = self._record_path(record.key)
+        try:
+            self._write_atomic(path, data)
+        except OSError as err:
+            self._count("puts_skipped")
+            logger.warning("plan cache: cannot write %s (%s); the plan is not cached on disk", path, err)
+            return False
+        self._count("puts")
+        if self._max_bytes is not None:
+            self._evict_if_over()
+        return True
+
+    def _write_atomic(self, path: Path, data: bytes) -> None:
+        directory = path.parent
+        try:
+            directory.mkdir(mode=_DIR_MODE, exist_ok=True)
+        except FileNotFoundError:  # v1/ removed under us (a person's rm -rf): recreate it private
+            self._records.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            directory.mkdir(mode=_DIR_MODE, exist_ok=True)
+        # Same directory as the record so that os.replace is a rename within one filesystem, hence atomic.
+        temp = directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW | _O_BINARY, _FILE_MODE)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)  # data on disk before the name points at it, or a crash can leave an empty record
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        _fsync_dir(directory)
+
+    # --- eviction --------------------------------------------------------------------------------------------
+
+    def _evict_if_over(self) -> None:
+        try:
+            entries, _ = self._scan()  # unlocked first look: most puts leave the cache under its cap
+            if sum(e.size for e in entries) <= self._max_bytes:
+                return
+            with self._eviction_lock() as held:
+                if held:
+                    self._evict()
+        except OSError as err:
+            logger.warning("plan cache: eviction failed (%s); the cache may exceed its cap until the next put", err)
+
+    def _evict(self) -> None:
+        # Rescan under the lock: another evictor may have run since the unlocked look. Sweep dead temps as we go.
+        entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
+        total = sum(e.size for e in entries)
+        for entry in sorted(entries, key=lambda e: e.mtime_ns):  # least recently used first
+            if total <= self._max_bytes:
+                break
+            if self._unlink_if_unchanged(entry):
+                total -= entry.size
+                self._count("evictions")
+
+    @staticmethod
+    def _unlink_if_unchanged(entry: _Entry) -> bool:
+        try:
+            now = os.lstat(entry.path)
+            if (now.st_ino, now.st_mtime_ns) != (entry.ino, entry.mtime_ns):
+                return False  # used or rewritten since the scan: no longer the least recently used
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _eviction_lock(self) -> Iterator[bool]:
+        lock = self._acquire_lock()
+        try:
+            yield lock is not None
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _acquire_lock(self) -> filelock.BaseFileLock | None:
+        if not self._use_soft_lock:
+            lock = filelock.FileLock(os.fspath(self._root / ".evict.lock"), timeout=self._lock_timeout)
+            try:
+                lock.acquire()
+                return lock
+            except filelock.Timeout:  # before OSError: Timeout is a TimeoutError
+                return self._lock_timed_out(lock)
+            except (NotImplementedError, OSError) as err:
+                # No flock here (some network filesystems): an exclusively created lock file still serialises.
+                logger.info("plan cache: file locks unsupported under %s (%s); using a soft lock", self._root, err)
+                self._use_soft_lock = True
+        lock = filelock.SoftFileLock(os.fspath(self._root / ".evict.softlock"), timeout=self._lock_timeout)
+        try:
+            lock.acquire()
+            return lock
+        except filelock.Timeout:
+            return self._lock_timed_out(lock)
+
+    def _lock_timed_out(self, lock: filelock.BaseFileLock) -> None:
+        logger.warning("plan cache: eviction lock %s not acquired in %.1f s; eviction skipped this time",
+                       lock.lock_file, self._lock_timeout)
+        return None
+
+    def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:
+        """Every record file, and how many temp files older than `sweep_before` were removed (None: none are)."""
+        entries: list[_Entry] = []
+        removed = 0
+        for sub in _scandir(self._records):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for item in _scandir(sub.path):
+                try:
+                    if item.name.endswith(RECORD_SUFFIX):
+                        st = item.stat(follow_symlinks=False)
+                        entries.append(_Entry(item.path, st.st_size, st.st_mtime_ns, st.st_ino))
+                    elif sweep_before is not None and item.name.startswith(TEMP_PREFIX):
+                        removed += self._remove_if_stale(item.path, sweep_before)
+                except FileNotFoundError:  # evicted, replaced or swept by another process while we looked
+                    continue
+        return entries, removed
+
+    @staticmethod
+    def _remove_if_stale(path: str, before: float) -> int:
+        # mtime, not ctime: a live writer's temp keeps a fresh mtime while it writes, so it is never swept.
+        if os.lstat(path).st_mtime >= before:
+            return 0
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return 1
+
+    # --- maintenance -----------------------------------------------------------------------------------------
+
+    def verify(self) -> dict[str, int]:
+        """Check every record, quarantine bad ones, sweep stale temps; counts of what was found."""
+        entries, removed = self._scan(sweep_before=time.time() - self._stale_temp_age)
+        report = {"ok": 0, "corrupt": 0, "untrusted": 0, "unreadable": 0, "removed_temp": removed}
+        for entry in entries:
+            path = Path(entry.path)
+            key = path.name[:-len(RECORD_SUFFIX)]
+            try:
+                validate_key(key)
+                misplaced = key[:2] != path.parent.name
+            except ValueError:
+                misplaced = True
+            if misplaced:  # no get() can reach it; it only takes space
+                self._reject(path, None, "file name does not match its location", status="corrupt")
+                report["corrupt"] += 1
+                continue
+            status = self._load(path, key).status
+            if status != "missing":
+                report[status] += 1
+        self._prune_quarantine()
+        return report
+
+    def delete(self, key: str) -> bool:
+        """Remove the record under `key`; True if there was one."""
+        validate_key(key)
+        path = self._record_path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            logger.warning("plan cache: cannot delete %s (%s)", path, err)
+            return False
+        return True
+
+    def clear(self) -> int:
+        """Remove every record, stale temp file and quarantined file; the number of records removed."""
+        entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
+        removed = 0
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+        for item in _scandir(self._quarantine):
+            with contextlib.suppress(OSError):
+                os.unlink(item.path)
+        return removed
+
+    def keys(self) -> Iterator[str]:
+        """The keys of the stored records (a snapshot per directory; other processes may change it)."""
+        for sub in _scandir(self._records):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for item in _scandir(sub.path):
+                key = item.name[:-len(RECORD_SUFFIX)]
+                if item.name.endswith(RECORD_SUFFIX) and key[:2] == sub.name and _is_key(key):
+                    yield key
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.keys())
+
+    def stats(self) -> dict[str, Any]:
+        """Entries and bytes on disk now, the cap, and this process's counters since the store was opened."""
+        entries, _ = self._scan()
+        with self._counts_lock:
+            counts = dict(self._counts)
+        return {"entries": len(entries), "total_bytes": sum(e.size for e in entries), "max_bytes": self._max_bytes,
+                **counts}
+
+
+def _is_key(name: str) -> bool:
+    try:
+        validate_key(name)
+    except ValueError:
+        return False
+    return True
