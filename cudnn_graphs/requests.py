@@ -16,6 +16,10 @@ from .spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, geometry
 from .spec.specs import _ConvSpec
 
 
+_SPECS: dict[tuple, _ConvSpec] = {}
+_SPECS_SIZE = 512
+
+
 class _ConvRequest:
     """Shared machinery: describe buffers, infer layout and strides, allocate outputs."""
 
@@ -46,6 +50,21 @@ class _ConvRequest:
 
     def spec(self) -> _ConvSpec:
         """The spec these buffers describe (explicit strides where a buffer is not densely packed)."""
+        geometry_key = tuple((role, i.shape, i.strides, i.dtype) for role, i in self.infos.items())
+        key = (type(self), geometry_key, repr(sorted(self.params.items())), repr(self._extra()))
+        spec = _SPECS.get(key)
+        if spec is None:
+            spec = self._infer_spec()
+            if len(_SPECS) >= _SPECS_SIZE:
+                _SPECS.clear()  # a training loop repeats a few geometries: a small memo, not a leak
+            _SPECS[key] = spec
+        return spec
+
+    def _extra(self) -> tuple:
+        """Constructor arguments besides buffers and conv params that shape the spec."""
+        return ()
+
+    def _infer_spec(self) -> _ConvSpec:
         fields = self._fields()
         info = self.infos[self.primary]
         layout = _layout_of(info.shape, info.strides) or geometry.CHANNELS_FIRST
@@ -108,6 +127,9 @@ class ConvBwdDataRequest(_ConvRequest):
         self.x_shape = x_shape
         super().__init__({"dy": dy, "w": w, "pre_act": pre_act, "dx": dx}, dict(conv_params))
 
+    def _extra(self) -> tuple:
+        return (self.x_shape,)
+
     def _fields(self) -> dict[str, Any]:
         dy, w = self.infos["dy"].shape, self.infos["w"].shape
         x = next((self.infos[r].shape for r in ("dx", "pre_act") if r in self.infos), None) or self.x_shape
@@ -131,6 +153,9 @@ class ConvBwdFilterRequest(_ConvRequest):
         self.w_shape = w_shape
         self.bias_grad = bias_grad
         super().__init__({"x": x, "dy": dy, "dw": dw, "db": db}, dict(conv_params))
+
+    def _extra(self) -> tuple:
+        return (self.w_shape, self.bias_grad)
 
     def _fields(self) -> dict[str, Any]:
         x, dy = self.infos["x"].shape, self.infos["dy"].shape

@@ -187,3 +187,15 @@ def test_per_device_sessions_key_plans_on_their_own_gpu(monkeypatch, fake_env):
 def test_session_device_must_be_an_ordinal(bad):
     with pytest.raises(ValueError, match="device"):
         cg.Session(device=bad)
+
+
+def test_spec_memo_tells_apart_what_changes_the_spec():
+    x, w = FakeCuda((1, 4, 6, 6)), FakeCuda((4, 4, 3, 3))
+    a = ConvFwdRequest(x, w, padding=1).spec()
+    assert ConvFwdRequest(FakeCuda((1, 4, 6, 6), ptr=1 << 30), w, padding=1).spec() is a  # memo hit
+    assert ConvFwdRequest(x, w, padding=0).spec().y_shape == (1, 4, 4, 4)
+    assert ConvFwdRequest(x, w, padding=1, activation="relu").spec().activation.name == "relu"
+    assert ConvFwdRequest(FakeCuda((1, 4, 6, 6), layout="channels_last"), w, padding=1).spec() != a
+    dy = FakeCuda((1, 4, 3, 3))
+    assert ConvBwdDataRequest(dy, w, stride=2, padding=1).spec().x_shape == (1, 4, 5, 5)
+    assert ConvBwdDataRequest(dy, w, stride=2, padding=1, x_shape=(1, 4, 6, 6)).spec().x_shape == (1, 4, 6, 6)

@@ -102,18 +102,35 @@ def bench_layers(session, *, batch: int, inner: int, reps: int, check: bool):
             torch.ops.aten.convolution_backward(dy, x, w, None, stride, pad, [1, 1], False, [0, 0], 1,
                                                 [False, True, False])
 
-        for kind, ours, theirs, plan in (("fwd", f_bound.launch, torch_fwd, f_plan),
-                                         ("dgrad", d_bound.launch, torch_dgrad, d_plan),
-                                         ("wgrad", w_bound.launch, torch_wgrad, w_plan)):
-            t_ours, t_torch = pair(ours, theirs, inner=inner, reps=reps)
+        for kind, bound, theirs, plan in (("fwd", f_bound, torch_fwd, f_plan), ("dgrad", d_bound, torch_dgrad, d_plan),
+                                          ("wgrad", w_bound, torch_wgrad, w_plan)):
+            t_ours, t_torch = pair(bound.launch, theirs, inner=inner, reps=reps)
+            # Device time alone: both sides replayed from CUDA graphs, so launch gaps do not count.
+            g_ours, g_torch = pair(bound.capture().replay, _torch_graph(theirs), inner=inner, reps=reps)
             row[kind] = {"ours_ms": t_ours, "torch_ms": t_torch, "speedup": t_torch / t_ours,
+                         "graph_ours_ms": g_ours, "graph_torch_ms": g_torch, "graph_speedup": g_torch / g_ours,
                          "engines": list(plan.engines), "fused": plan.fused}
         if check:
             row["rel_err"] = _check(x, w, b, y, dy, dx, dw, stride, pad)
         rows.append(row)
-        print(f"{name:10s} fwd {row['fwd']['speedup']:.2f}x  dgrad {row['dgrad']['speedup']:.2f}x  "
-              f"wgrad {row['wgrad']['speedup']:.2f}x", flush=True)
+        print(f"{name:10s} " + "  ".join(f"{k} {row[k]['speedup']:.2f}x (graph {row[k]['graph_speedup']:.2f}x)"
+                                          for k in ("fwd", "dgrad", "wgrad")), flush=True)
     return rows
+
+
+def _torch_graph(fn):
+    """`fn` captured into a torch CUDA graph after a warm-up on a side stream; returns its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _check(x, w, b, y, dy, dx, dw, stride, pad) -> dict:
@@ -160,8 +177,10 @@ def bench_host_overhead(session, *, calls: int) -> dict:
         part.graph.execute_plan_at_index(pack, ws, part.index, handle=handle)
 
     request = cg.ConvFwdRequest(x, w, y=y, bias=b, padding=1, activation="relu")
+    captured = plan.bind(x=x, w=w, bias=b, y=y).capture()
     variants = {
         "bound_launch": bound.launch,
+        "bound_capture_replay": captured.replay,
         "frontend_execute_plan_at_index": fe_execute,
         "plan_execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
         "session_run_request": lambda: session.run(request),
@@ -204,8 +223,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = bench_layers(session, batch=args.batch, inner=args.inner, reps=args.reps, check=not args.no_check)
     host = bench_host_overhead(session, calls=args.calls)
-    summary = {k: geomean(r[k]["speedup"] for r in rows) for k in ("fwd", "dgrad", "wgrad")}
-    summary.update({f"{k}_min": min(r[k]["speedup"] for r in rows) for k in ("fwd", "dgrad", "wgrad")})
+    summary = {}
+    for k in ("fwd", "dgrad", "wgrad"):
+        for metric in ("speedup", "graph_speedup"):
+            summary[f"{k}_{metric}_geomean"] = geomean(r[k][metric] for r in rows)
+            summary[f"{k}_{metric}_min"] = min(r[k][metric] for r in rows)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "env": session.env.to_dict(),
               "batch": args.batch, "layers": rows, "host_overhead_us": host, "summary": summary,
               "seconds": time.perf_counter() - t0}
@@ -218,8 +240,10 @@ def main(argv=None) -> int:
                          for k in ("fwd", "dgrad", "wgrad"))
         err = max(r.get("rel_err", {"-": 0}).values())
         print(f"{r['layer']:10s} {cells}  {err:.1e}")
-    print("geo-mean speedup vs torch: " + ", ".join(f"{k} {summary[k]:.3f}x (min {summary[k + '_min']:.2f}x)"
-                                                   for k in ("fwd", "dgrad", "wgrad")))
+    for metric, label in (("speedup", "launched"), ("graph_speedup", "CUDA-graph replay")):
+        print(f"geo-mean speedup vs torch, {label}: " + ", ".join(
+            f"{k} {summary[f'{k}_{metric}_geomean']:.3f}x (min {summary[f'{k}_{metric}_min']:.2f}x)"
+            for k in ("fwd", "dgrad", "wgrad")))
     print("host us/call: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     return 0
 

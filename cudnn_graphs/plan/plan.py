@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -87,6 +88,10 @@ class Plan:
     handles: Any = field(repr=False)  # the session's per-thread cuDNN handles for this device
     build_ms: float = 0.0
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
+    _bound: dict = field(default_factory=dict, repr=False)  # recent execute() bindings, by what was checked
+
+    def __post_init__(self) -> None:
+        self._descs = self.spec.tensors()
 
     @property
     def workspace_size(self) -> int:
@@ -116,14 +121,38 @@ class Plan:
         }
 
     def execute(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> None:
-        """Run on `stream` (default: the buffers' framework's current stream); checks every buffer first."""
-        self.bind(workspace=workspace, stream=stream, **buffers).launch()
+        """Run on `stream` (default: the buffers' framework's current stream); checks every buffer first.
+
+        Buffers are described on every call; a call that matches a recent one (same pointers, shapes,
+        strides, dtypes, stream) reuses its prepared launch instead of rebuilding it.
+        """
+        framework, stream_ptr, infos = self._describe(buffers, stream)
+        key = None
+        if workspace is None and all(i.owner is None for i in infos.values()):
+            key = (threading.get_ident(), stream_ptr, tuple(infos.items()))  # handles are per thread
+            bound = self._bound.get(key)
+            if bound is not None:
+                return bound.launch()
+        bound = self._bind_described(buffers, infos, framework, stream_ptr, workspace)
+        if key is not None:
+            if len(self._bound) >= _BOUND_CACHE_SIZE:
+                self._bound.clear()  # buffers that keep changing: a small cache, not a leak
+            self._bound[key] = bound
+        bound.launch()
 
     def bind(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> "BoundPlan":
         """Check buffers once; the returned object's `launch()` re-runs with no re-validation."""
+        framework, stream_ptr, infos = self._describe(buffers, stream)
+        return self._bind_described(buffers, infos, framework, stream_ptr, workspace)
+
+    def _describe(self, buffers: dict[str, Any], stream: Any) -> tuple[str, int, dict]:
         framework = _framework(buffers.values())
         stream_ptr = stream_pointer(stream, framework, self.device)
-        infos = self._check(buffers, stream_ptr)
+        infos = {role: _buffers.describe(b, role, stream=stream_ptr) for role, b in buffers.items() if b is not None}
+        return framework, stream_ptr, infos
+
+    def _bind_described(self, buffers, infos, framework: str, stream_ptr: int, workspace: Any) -> "BoundPlan":
+        self._check(buffers, infos)
         owners, scratch = self._scratch_for(stream_ptr, framework)
         ws_ptr = scratch["workspace"] if workspace is None else self._given_workspace(workspace)
         ptrs = {role: info.ptr for role, info in infos.items()}
@@ -132,19 +161,15 @@ class Plan:
         keep = owners + [i.owner for i in infos.values() if i.owner is not None]
         return BoundPlan(self, packs, ws_ptr, self.handles.current(), stream_ptr, keep)
 
-    def _check(self, buffers: dict[str, Any], stream_ptr: int) -> dict[str, _buffers.BufferInfo]:
-        expected = self.spec.tensors()
+    def _check(self, buffers: dict[str, Any], infos: dict[str, _buffers.BufferInfo]) -> None:
+        expected = self._descs
         for role in buffers:
             if role not in expected:
                 raise BufferMismatchError(role, "role", sorted(expected), role)
-        infos = {}
         for role, desc in expected.items():
-            if buffers.get(role) is None:
+            if role not in infos:
                 raise BufferMismatchError(role, "buffer", f"a {desc.dtype} tensor of shape {desc.shape}", None)
-            info = _buffers.describe(buffers[role], role, stream=stream_ptr)
-            _buffers.check(info, desc, role, self.device)
-            infos[role] = info
-        return infos
+            _buffers.check(infos[role], desc, role, self.device)
 
     def _scratch_for(self, stream_ptr: int, framework: str) -> tuple[list, dict[str, int]]:
         """Workspace and intermediates, allocated once per (plan, stream) and reused by every launch."""
@@ -175,6 +200,7 @@ class BoundPlan:
 
     def __post_init__(self) -> None:
         self.calls = self.calls_on(self.stream_ptr)
+        self._set_stream = frontend.cudnn().set_stream
 
     def calls_on(self, stream_ptr: int) -> list:
         """One prepared call per part, launching on `stream_ptr`."""
@@ -182,7 +208,7 @@ class BoundPlan:
                 for part, pack in zip(self.plan.parts, self.packs)]
 
     def launch(self) -> None:
-        frontend.cudnn().set_stream(handle=self.handle, stream=self.stream_ptr)  # FE >= 1.28 skips it if unchanged
+        self._set_stream(self.handle, self.stream_ptr)  # FE >= 1.28 skips it when unchanged
         for call in self.calls:
             call()
 
@@ -203,6 +229,9 @@ def _describe_part(part) -> dict[str, Any]:
             "knobs": dict(getattr(part, "knobs", {}) or {}), "behavior_notes": list(part.behavior_notes),
             "numerical_notes": None if part.numerical_notes is None else list(part.numerical_notes),
             "deterministic": part.deterministic, "workspace_size": part.workspace_size}
+
+
+_BOUND_CACHE_SIZE = 16
 
 
 def _framework(buffers) -> str:
