@@ -14,8 +14,11 @@ from .errors import ConfigError
 CACHE_DIR = "CUDNN_GRAPHS_CACHE_DIR"
 MEMORY_CACHE_SIZE = "CUDNN_GRAPHS_MEMORY_CACHE_SIZE"
 DISABLE_CACHE = "CUDNN_GRAPHS_DISABLE_CACHE"
+CACHE_MAX_BYTES = "CUDNN_GRAPHS_CACHE_MAX_BYTES"
 
 DEFAULT_MEMORY_CACHE_SIZE = 1024
+DEFAULT_CACHE_MAX_BYTES = 4 << 30  # runtime-compiled plans are ~0.1 MB: tens of thousands of them
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -74,6 +77,22 @@ def cache_disabled() -> bool:
     return _bool(DISABLE_CACHE, False)
 
 
+def cache_max_bytes() -> int | None:
+    """Size cap of the on-disk cache: bytes, or with a K/M/G/T suffix; 0 means no cap."""
+    raw = _raw(CACHE_MAX_BYTES)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_CACHE_MAX_BYTES
+    text = raw.strip().lower().removesuffix("ib").removesuffix("b")
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in _UNITS else (text, "")
+    try:
+        value = int(number, 10) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(CACHE_MAX_BYTES, raw, "expected a byte count such as 4294967296, 512M or 4G") from None
+    if value < 0:
+        raise ConfigError(CACHE_MAX_BYTES, raw, "must be >= 0 (0 means no cap)")
+    return value or None
+
+
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
-    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE)}
+    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES)}

@@ -40,11 +40,18 @@ def environment_bytes(env: Environment) -> bytes:
     return _canonical_json(env.to_dict())
 
 
-def signature(spec, env: Environment | None = None) -> str:
-    """Hex sha256 naming `spec` built in `env` (default: this process, GPU 0, default flags)."""
+def signature(spec, env: Environment | None = None, *, policy: dict | None = None) -> str:
+    """Hex sha256 naming `spec` built in `env` (default: this process, GPU 0, default flags).
+
+    `policy`: session settings that change which plan is chosen (workspace cap, fusion); a policy
+    of None or {} keeps the key of the default choice.
+    """
     env = environment() if env is None else env
-    return _digest([
+    parts = [
         ("schema", str(SIGNATURE_SCHEMA).encode()),
         ("spec", spec_bytes(spec)),
         ("environment", environment_bytes(env)),
-    ])
+    ]
+    if policy:
+        parts.append(("policy", _canonical_json(policy)))
+    return _digest(parts)

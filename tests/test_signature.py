@@ -272,3 +272,12 @@ def test_environment_without_gpu():
 def test_environment_dict_round_trip(fake_env):
     assert Environment.from_dict(fake_env.to_dict()) == fake_env
     assert cudnn_graphs.Environment is Environment
+
+
+def test_selection_policy_changes_the_key_and_defaults_do_not(fake_env):
+    spec = ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    base = signature(spec, fake_env)
+    assert signature(spec, fake_env, policy={}) == base
+    capped = signature(spec, fake_env, policy={"max_workspace_bytes": 0})
+    assert capped != base and capped != signature(spec, fake_env, policy={"max_workspace_bytes": 1 << 20})
+    assert signature(spec, fake_env, policy={"fuse": False}) not in (base, capped)

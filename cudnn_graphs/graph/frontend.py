@@ -47,3 +47,21 @@ def new_graph(*, io_dtype: str, compute_dtype: str, handle: Any = None, name: st
 
 def version() -> str:
     return str(cudnn().__version__)
+
+
+def deserialize(blob: bytes, *, handle: Any) -> Any:
+    """A pygraph holding the execution plan serialized in `blob`."""
+    g = cudnn().pygraph(handle=handle)
+    # FE 1.26-1.28 bind std::vector<uint8_t>: they take a list of ints, not bytes.
+    g.deserialize(handle, list(blob))
+    return g
+
+
+def knob_names(knobs: Any) -> dict[str, int]:
+    """{knob name: value} from the frontend's {knob_type: value}: names survive FE versions, enums do not."""
+    return {getattr(k, "name", None) or str(k).rsplit(".", 1)[-1]: int(v) for k, v in dict(knobs).items()}
+
+
+def knobs_from_names(names: dict[str, int]) -> dict[Any, int]:
+    knob_type = cudnn().knob_type
+    return {getattr(knob_type, name): int(value) for name, value in names.items()}

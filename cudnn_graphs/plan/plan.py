@@ -17,6 +17,9 @@ from ..graph import ROLE_UIDS, frontend
 from ..spec.dtypes import ITEMSIZE
 
 
+UNPROBED = "unprobed"
+
+
 @dataclass
 class PlannedPart:
     """One graph of a build with its chosen execution plan."""
@@ -29,17 +32,27 @@ class PlannedPart:
     engine_id: int
     knobs: dict
     behavior_notes: tuple[str, ...]
-    numerical_notes: tuple[str, ...] | None  # None: the frontend's answer was not recognisable
     workspace_size: int
     # cuDNN reads pass-by-value scalars through a host pointer at every execute: keep them alive here.
     scalars: dict[int, np.ndarray] = field(repr=False)
     nondeterministic_excluded: bool = False  # chosen from a list filtered to deterministic plans
+    heuristic_index: int | None = None  # its rank in heuristics A+FALLBACK, which the note probe replays
+    notes: Any = UNPROBED  # numerical notes: a tuple, None (unknowable), or UNPROBED until first asked
+    notes_source: Any = field(default=None, repr=False, compare=False)  # () -> notes; costs heuristics queries
+
+    @property
+    def numerical_notes(self) -> tuple[str, ...] | None:
+        """cuDNN's numerical notes for this engine, probed on first use (not on the planning path)."""
+        if self.notes is UNPROBED:
+            self.notes = self.notes_source() if self.notes_source is not None else None
+        return self.notes
 
     @property
     def deterministic(self) -> bool | None:
         if self.nondeterministic_excluded:
             return True
-        return None if self.numerical_notes is None else "NONDETERMINISTIC" not in self.numerical_notes
+        notes = self.numerical_notes
+        return None if notes is None else "NONDETERMINISTIC" not in notes
 
     def prepare(self, ptrs: dict[str, int]) -> dict[int, int]:
         pack = {ROLE_UIDS[role]: ptrs[role] for role in self.roles}
@@ -63,12 +76,14 @@ def _backend_entry(graph: Any, index: int, handle: Any) -> tuple | None:
     Private names: any mismatch falls back to the public call.
     """
     try:
+        from cudnn._handle import to_backend_handle
+
         plans, lowered = graph._plans, graph._lowered_graph
+        if not graph._planning_done and lowered is not None:  # deserialized: the backend holds its one plan
+            return lowered._execute_plan_at_index, index, to_backend_handle(handle)
         if graph._engine_for(plans[index]) is not None:
             return None  # a Python engine serves this plan
         cfg = graph._materialize_backend_plan(index)
-        from cudnn._handle import to_backend_handle
-
         execute = lowered._execute_plan_at_index
     except (AttributeError, ImportError, IndexError, TypeError):
         return None
@@ -86,6 +101,7 @@ class Plan:
     parts: tuple  # PlannedPart (cuDNN) or fallback_kernels' KernelPart, in execution order
     intermediates: dict
     handles: Any = field(repr=False)  # the session's per-thread cuDNN handles for this device
+    acc_dtype: str | None = None  # dtype of the conv output an unfused plan hands to its epilogue
     build_ms: float = 0.0
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
     _bound: dict = field(default_factory=dict, repr=False)  # recent execute() bindings, by what was checked

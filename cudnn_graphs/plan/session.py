@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
+from .. import config
+from ..cache import load_plan, open_store, plan_to_record
 from ..environment import environment
 from ..errors import BufferMismatchError, UnsupportedGraphError
 from ..graph import build_graph, frontend
 from ..signature import signature
 from ..spec import dtypes
 from . import notes
-from .plan import Plan, PlannedPart
+from .plan import UNPROBED, Plan, PlannedPart
 
 log = logging.getLogger("cudnn_graphs")
+
+
+_COUNTERS = ("memory_hits", "disk_hits", "builds", "rebuilds_from_knobs", "rebuilds_from_heuristics", "disk_writes",
+             "build_ms", "load_ms")
 
 
 class HandlePool:
@@ -41,8 +49,9 @@ class Session:
     """Plans specs on one device: validate -> operation graph -> heuristics A, FALLBACK -> build."""
 
     def __init__(self, *, device: int | None = None, deterministic: bool = False, allow_tf32: bool = True,
-                 max_workspace_bytes: int | None = None, fuse: bool = True):
-        """`fuse=False` skips the fused graph: conv graph, then the epilogue on its own (for comparison)."""
+                 max_workspace_bytes: int | None = None, fuse: bool = True, cache: Any = None):
+        """`cache`: None for the configured on-disk cache, False for memory only, a directory, or a
+        `plan_cache.PlanStore`. `fuse=False` skips the fused graph: conv graph, then the epilogue alone."""
         if max_workspace_bytes is not None and (isinstance(max_workspace_bytes, bool) or
                                                 not isinstance(max_workspace_bytes, int) or max_workspace_bytes < 0):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r}: expected None or an int >= 0")
@@ -55,8 +64,10 @@ class Session:
         self.fuse = bool(fuse)
         self.env = environment(self.device, deterministic=self.deterministic, allow_tf32=self.allow_tf32)
         self.handles = HandlePool(self.device)
-        self._plans: dict[str, Plan] = {}
-        self._by_spec: dict[Any, Plan] = {}  # skips hashing the signature on repeated calls
+        self.store = open_store(cache)
+        self._memory: OrderedDict[Any, Plan] = OrderedDict()  # LRU by spec: equal specs have equal signatures
+        self._memory_size = config.memory_cache_size()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
 
     @property
@@ -66,17 +77,71 @@ class Session:
 
     def signature(self, spec) -> str:
         """The stable key of `spec` on this session's device and settings."""
-        return signature(spec, self.env)
+        return signature(spec, self.env, policy=self._policy)
+
+    @property
+    def _policy(self) -> dict:
+        # Settings that change the chosen plan; the defaults add nothing, so default keys stay stable.
+        policy = {}
+        if self.max_workspace_bytes is not None:
+            policy["max_workspace_bytes"] = self.max_workspace_bytes
+        if not self.fuse:
+            policy["fuse"] = False
+        return policy
 
     def plan(self, spec) -> Plan:
-        plan = self._by_spec.get(spec)
+        """The plan for `spec`: from memory, else from the on-disk cache, else built (and stored)."""
+        plan = self._memory.get(spec)
         if plan is not None:
+            self._counts["memory_hits"] += 1
+            self._memory.move_to_end(spec)
             return plan
-        key = self.signature(spec)
-        with self._lock:
-            plan = self._plans.get(key) or self._build(spec, key)
-            self._plans[key] = self._by_spec[spec] = plan
+        with self._lock:  # one build per spec even when threads race for it
+            plan = self._memory.get(spec) or self._load_or_build(spec)
+            self._remember(spec, plan)
         return plan
+
+    def _remember(self, spec, plan: Plan) -> None:
+        if self._memory_size == 0:
+            return
+        self._memory[spec] = plan
+        while len(self._memory) > self._memory_size:
+            self._memory.popitem(last=False)
+
+    def _load_or_build(self, spec) -> Plan:
+        key = self.signature(spec)
+        record = self.store.get(key) if self.store is not None else None
+        if record is not None:
+            start = time.perf_counter()
+            outcome = load_plan(record, spec=spec, session=self)
+            self._counts["load_ms"] += (time.perf_counter() - start) * 1e3
+            if outcome is not None:
+                self._counts["disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs"] += 1
+                if outcome.rewrite:
+                    self._store(outcome.plan, chosen_by=record.meta.get("chosen_by", "heuristics"))
+                return outcome.plan
+            self._counts["rebuilds_from_heuristics"] += 1
+        plan = self._build(spec, key)
+        self._counts["builds"] += 1
+        self._counts["build_ms"] += plan.build_ms
+        self._store(plan, chosen_by="heuristics")
+        return plan
+
+    def _store(self, plan: Plan, *, chosen_by: str) -> None:
+        if self.store is None:
+            return
+        if self.store.put(plan_to_record(plan, env=self.env, chosen_by=chosen_by)):
+            self._counts["disk_writes"] += 1
+
+    def stats(self) -> dict[str, Any]:
+        """Where plans came from in this session, and the time spent building and loading them."""
+        out: dict[str, Any] = dict(self._counts)
+        out["build_ms"], out["load_ms"] = round(out["build_ms"], 3), round(out["load_ms"], 3)
+        out["in_memory"] = len(self._memory)
+        store = self.store.stats() if self.store is not None else {}
+        out["corrupt_records"] = store.get("corrupt", 0)
+        out["cache_dir"] = str(self.store.root) if self.store is not None else None
+        return out
 
     def run(self, request, *, stream: Any = None) -> Any:
         """Infer the spec from the request's buffers, plan it, allocate missing outputs, execute.
@@ -105,10 +170,55 @@ class Session:
                     failures.append(f"{'fused' if fused else 'unfused'}: {err}")
                     log.info("no plan for %s (%s): %s", spec.op, "fused" if fused else "unfused", err)
                     continue
-                return Plan(spec=spec, signature=key, device=self.device, fused=build.fused, parts=parts,
-                            intermediates=build.intermediates, handles=self.handles,
-                            build_ms=(time.perf_counter() - start) * 1e3)
+                return self._new_plan(spec, key, fused=build.fused, parts=parts, intermediates=build.intermediates,
+                                      acc_dtype=_acc_dtype(build), build_ms=(time.perf_counter() - start) * 1e3)
         raise UnsupportedGraphError(spec, " | ".join(failures))
+
+    def _new_plan(self, spec, key: str, *, fused: bool, parts: tuple, intermediates: dict, acc_dtype, build_ms: float):
+        return Plan(spec=spec, signature=key, device=self.device, fused=fused, parts=parts,
+                    intermediates=intermediates, handles=self.handles, acc_dtype=acc_dtype, build_ms=build_ms)
+
+    def _restore_part(self, spec, meta: dict, i: int, entry: dict, blobs: list, intermediates: dict):
+        """(part, how) for part `i` of a stored plan: "disk" when its blob loaded, "knobs" when rebuilt."""
+        if entry["kind"] == "kernel":
+            return _kernel_part(spec, entry["name"], intermediates, self.device), "disk"
+        blob = blobs[entry["blob_index"]]
+        graph, index, how = None, 0, "disk"
+        if blob is not None:
+            try:
+                graph = frontend.deserialize(blob, handle=self.handle)
+            except Exception as err:  # other cuDNN, other GPU, or a damaged blob that passed the checksum
+                log.warning("%s: stored plan did not load (%s); rebuilding from engine id + knobs", entry["engine"], err)
+        if graph is None:
+            graph, index, how = *self._rebuild_from_knobs(spec, meta, i, entry), "knobs"
+        scalar_dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32
+        rank = entry.get("heuristic_index")
+        part = PlannedPart(
+            name=entry["name"], graph=graph, roles=tuple(entry["roles"]), index=index, engine=entry["engine"],
+            engine_id=int(entry["engine_id"]), knobs=dict(entry["knobs"]),
+            behavior_notes=tuple(entry["behavior_notes"]), workspace_size=int(entry["workspace_size"]),
+            scalars={int(uid): np.full((1,), v, dtype=scalar_dtype) for uid, v in entry["scalars"]},
+            nondeterministic_excluded=bool(entry["nondeterministic_excluded"]), heuristic_index=rank,
+            notes=_stored_notes(entry),
+            notes_source=None if rank is None else self._notes_source(spec, bool(meta["fused"]), meta.get("acc_dtype"),
+                                                                       i, rank, entry["engine"]),
+        )
+        return part, how
+
+    def _rebuild_from_knobs(self, spec, meta: dict, i: int, entry: dict) -> tuple[Any, int]:
+        """Part `i` rebuilt with exactly the stored engine and knobs: no heuristics query."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            build = build_graph(spec, fused=bool(meta["fused"]), handle=self.handle, acc_dtype=meta.get("acc_dtype"))
+            g = build.parts[i].graph
+            g.build_operation_graph()
+            g.create_execution_plan(int(entry["engine_id"]), frontend.knobs_from_names(entry["knobs"]))
+            index = g.get_execution_plan_count() - 1
+            g.build_plan_at_index(index)
+            if int(g.get_workspace_size_plan_at_index(index)) != int(entry["workspace_size"]):
+                raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
+        return g, index
 
     def _plan_build(self, spec, fused: bool):
         """Plan every graph of a build; an unfused epilogue cuDNN cannot plan becomes our kernel."""
@@ -129,7 +239,7 @@ class Session:
                 parts.append(self._plan_part(build, i, acc_dtype))
             except Exception as err:  # standalone pointwise graphs do not plan on cuDNN 9.19
                 log.info("%s: no cuDNN plan (%s); using the fallback kernel", part.name, err)
-                parts.append(_kernel_part(spec, part.name, build, self.device))
+                parts.append(_kernel_part(spec, part.name, build.intermediates, self.device))
         return build, tuple(parts)
 
     def _plan_part(self, build, i: int, acc_dtype: str | None) -> PlannedPart:
@@ -143,18 +253,22 @@ class Session:
         engine = g.get_plan_name_at_index(index)
         scalar_dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32
 
-        def fresh_graph():
-            return build_graph(spec, fused=build.fused, handle=self.handle, acc_dtype=acc_dtype).parts[i].graph
-
         return PlannedPart(
             name=part.name, graph=g, roles=part.roles, index=index, engine=engine,
-            engine_id=int(engine_id), knobs={str(k): int(v) for k, v in dict(knobs).items()},
+            engine_id=int(engine_id), knobs=frontend.knob_names(knobs),
             behavior_notes=tuple(str(n).rsplit(".", 1)[-1] for n in g.get_behavior_notes_for_plan_at_index(index)),
-            numerical_notes=notes.probe(fresh_graph, index=index, engine=engine),
             workspace_size=int(g.get_workspace_size_plan_at_index(index)),
             scalars={uid: np.full((1,), value, dtype=scalar_dtype) for uid, value in part.scalars.items()},
-            nondeterministic_excluded=self.deterministic,
+            nondeterministic_excluded=self.deterministic, heuristic_index=index,
+            notes_source=self._notes_source(spec, build.fused, acc_dtype, i, index, engine),
         )
+
+    def _notes_source(self, spec, fused: bool, acc_dtype, i: int, index: int, engine: str):
+        """A call that probes part `i`'s numerical notes on a fresh copy of its graph."""
+        def fresh_graph():
+            return build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype).parts[i].graph
+
+        return functools.partial(notes.probe, fresh_graph, index=index, engine=engine)
 
     def _rank_plans(self, g, spec) -> None:
         """Heuristics A then FALLBACK, minus what this session's settings rule out."""
@@ -180,13 +294,24 @@ def _build_first(g) -> int:
     raise RuntimeError("no execution plan could be built: " + ("; ".join(errors[-3:]) or "empty plan list"))
 
 
-def _kernel_part(spec, name: str, build, device: int):
+def _stored_notes(entry: dict) -> Any:
+    if "numerical_notes" not in entry:
+        return UNPROBED
+    return None if entry["numerical_notes"] is None else tuple(entry["numerical_notes"])
+
+
+def _acc_dtype(build) -> str | None:
+    acc = build.intermediates.get("acc")
+    return None if acc is None else acc.dtype
+
+
+def _kernel_part(spec, name: str, intermediates: dict, device: int):
     from fallback_kernels import epilogue
 
     if name == "fwd_epilogue":
-        return epilogue.fwd_epilogue(spec, build.intermediates["acc"], device)
+        return epilogue.fwd_epilogue(spec, intermediates["acc"], device)
     if name == "act_backward":
-        return epilogue.act_backward(spec, build.intermediates["acc"], device)
+        return epilogue.act_backward(spec, intermediates["acc"], device)
     if name == "bias_grad":
         return epilogue.bias_grad(spec, device)
     raise AssertionError(f"no fallback kernel for graph part {name!r}")

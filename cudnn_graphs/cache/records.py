@@ -1,0 +1,100 @@
+"""A built plan as a `plan_cache.PlanRecord`, and back.
+
+blob: msgpack list with one serialized cuDNN execution plan per cuDNN part (None where the engine
+cannot serialize). meta: everything needed to rebuild without heuristics (engine id + knobs per part),
+to report (notes, workspace), and to audit (spec, environment, how and when it was chosen, versions).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+import msgpack
+
+from .._version import __version__
+from ..plan.plan import UNPROBED
+from ..spec import TensorDesc, spec_from_dict
+
+log = logging.getLogger("cudnn_graphs")
+
+RECORD_SCHEMA = 1
+
+
+class LoadOutcome(NamedTuple):
+    plan: Any
+    path: str  # "disk": every blob loaded; "knobs": some part rebuilt from its engine id + knobs
+    rewrite: bool  # the record should be written again (a part was rebuilt)
+
+
+def plan_to_record(plan, *, env, chosen_by: str = "heuristics"):
+    """The record for `plan` under its signature; parts whose engine cannot serialize store no blob."""
+    from plan_cache import PlanRecord
+
+    blobs, parts = [], []
+    for part in plan.parts:
+        entry = _part_meta(part)
+        if entry["kind"] == "cudnn":
+            entry["blob_index"] = len(blobs)
+            blobs.append(_serialize(part))
+        parts.append(entry)
+    meta = {
+        "schema": RECORD_SCHEMA, "library_version": __version__, "spec": plan.spec.to_dict(),
+        "environment": env.to_dict(), "fused": plan.fused, "acc_dtype": plan.acc_dtype,
+        "intermediates": {role: [list(d.shape), list(d.strides), d.dtype] for role, d in plan.intermediates.items()},
+        "parts": parts, "chosen_by": chosen_by, "created": time.time(), "build_ms": plan.build_ms,
+    }
+    return PlanRecord(key=plan.signature, blob=msgpack.packb(blobs, use_bin_type=True), meta=meta)
+
+
+def _part_meta(part) -> dict[str, Any]:
+    common = {"name": part.name, "engine": part.engine, "workspace_size": int(part.workspace_size),
+              "behavior_notes": list(part.behavior_notes)}
+    if not hasattr(part, "graph"):
+        return {"kind": "kernel", **common}
+    entry = {"kind": "cudnn", **common, "roles": list(part.roles), "engine_id": part.engine_id,
+             "knobs": dict(part.knobs), "scalars": [[uid, float(a[0])] for uid, a in part.scalars.items()],
+             "nondeterministic_excluded": bool(part.nondeterministic_excluded),
+             "heuristic_index": part.heuristic_index}
+    if part.notes is not UNPROBED:  # probing costs heuristics queries: stored only once someone asked
+        entry["numerical_notes"] = None if part.notes is None else list(part.notes)
+    return entry
+
+
+def _serialize(part) -> bytes | None:
+    try:
+        return bytes(part.graph.serialize())  # FE returns a list of ints
+    except Exception as err:  # some engines cannot serialize: the record keeps engine id + knobs
+        log.info("%s: plan not serializable (%s); storing engine id + knobs only", part.engine, err)
+        return None
+
+
+def load_plan(record, *, spec, session) -> LoadOutcome | None:
+    """The plan in `record` for `spec`, or None when it does not fit (the caller builds anew).
+
+    Each cuDNN part is deserialized; a blob cuDNN refuses is rebuilt from its engine id + knobs.
+    """
+    meta = record.meta
+    if meta.get("schema") != RECORD_SCHEMA or _spec_of(meta) != spec:
+        return None
+    try:
+        blobs = msgpack.unpackb(record.blob, raw=False)
+        intermediates = {role: TensorDesc(tuple(s), tuple(st), dt) for role, (s, st, dt) in meta["intermediates"].items()}
+        restored = [session._restore_part(spec, meta, i, entry, blobs, intermediates)
+                    for i, entry in enumerate(meta["parts"])]
+    except Exception as err:  # a record that passed its checksum but does not fit this code or this GPU
+        log.warning("plan record %s unusable (%s); building anew", record.key[:16], err)
+        return None
+    parts = tuple(p for p, _ in restored)
+    rebuilt = any(how == "knobs" for _, how in restored)
+    plan = session._new_plan(spec, record.key, fused=bool(meta["fused"]), parts=parts, intermediates=intermediates,
+                             acc_dtype=meta.get("acc_dtype"), build_ms=0.0)
+    return LoadOutcome(plan, "knobs" if rebuilt else "disk", rebuilt)
+
+
+def _spec_of(meta: dict):
+    try:
+        return spec_from_dict(meta["spec"])
+    except Exception:  # written by another version of the library
+        return None

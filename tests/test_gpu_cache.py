@@ -1,0 +1,91 @@
+"""GPU: plans built in one process are loaded, not rebuilt, by the next; damaged records are survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+pytest.importorskip("torch")
+
+import cudnn_graphs as cg  # noqa: E402
+from plan_cache import PlanRecord, PlanStore  # noqa: E402
+
+from . import gpu_cache_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh_process(cache_dir: Path) -> dict:
+    env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu_cache_worker"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared-cache")
+    first = _fresh_process(root)
+    return root, first
+
+
+def test_first_process_builds_and_writes(warm_cache):
+    _, first = warm_cache
+    n = len(worker.SPECS)
+    assert first["stats"]["builds"] == n and first["stats"]["disk_writes"] == n
+    assert first["fused"][:3] == [True, True, True], "the runtime-compiled fused graphs must be in the test"
+
+
+def test_fresh_process_loads_everything_with_zero_builds(warm_cache):
+    root, _ = warm_cache
+    second = _fresh_process(root)
+    stats = second["stats"]
+    assert stats["builds"] == 0 and stats["rebuilds_from_knobs"] == 0
+    assert stats["disk_hits"] == len(worker.SPECS)
+
+
+def _session(root):
+    return cg.Session(allow_tf32=False, cache=PlanStore(root))
+
+
+def test_doctored_blob_is_rebuilt_from_engine_and_knobs(warm_cache, tmp_path):
+    root, _ = warm_cache
+    spec = worker.SPECS[0]
+    store = PlanStore(root)
+    key = _session(root).signature(spec)
+    record = store.get(key)
+    blobs = msgpack.unpackb(record.blob)
+    doctored = [b"\x00garbage" + bytes(b[:64]) if b else b for b in blobs]
+    store.put(PlanRecord(key, msgpack.packb(doctored, use_bin_type=True), record.meta))
+    session = _session(root)
+    session.plan(spec)
+    stats = session.stats()
+    assert (stats["rebuilds_from_knobs"], stats["builds"]) == (1, 0)
+    assert store.get(key).blob != msgpack.packb(doctored, use_bin_type=True), "the record was not rewritten"
+    again = _session(root)
+    again.plan(spec)
+    assert again.stats()["disk_hits"] == 1
+
+
+def test_corrupt_file_is_a_miss_and_a_rebuild(warm_cache, caplog):
+    root, _ = warm_cache
+    spec = worker.SPECS[3]
+    key = _session(root).signature(spec)
+    path = next(Path(root).rglob(f"{key}*"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    session = _session(root)
+    plan = session.plan(spec)
+    stats = session.stats()
+    assert (stats["builds"], stats["corrupt_records"]) == (1, 1)
+    assert plan.engines and any("quarantine" in str(p) for p in Path(root).rglob("*"))

@@ -1,0 +1,127 @@
+"""CPU: how a session picks its store, the size-cap variable, and records built from plans."""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+import numpy as np
+import pytest
+
+import cudnn_graphs as cg
+from cudnn_graphs import ConfigError, config
+from cudnn_graphs.cache import RECORD_SCHEMA, load_plan, open_store, plan_to_record
+from cudnn_graphs.plan.plan import Plan, PlannedPart
+from plan_cache import PlanStore
+
+
+def test_default_store_is_the_configured_dir(cache_dir):
+    store = cg.Session().store
+    assert isinstance(store, PlanStore) and store.root == cache_dir
+    assert store.max_bytes == config.DEFAULT_CACHE_MAX_BYTES
+
+
+def test_cache_false_and_disable_variable_mean_memory_only(monkeypatch):
+    assert cg.Session(cache=False).store is None
+    monkeypatch.setenv(config.DISABLE_CACHE, "1")
+    assert cg.Session().store is None
+
+
+def test_cache_path_and_store_objects(tmp_path):
+    store = PlanStore(tmp_path / "a")
+    assert cg.Session(cache=store).store is store
+    assert cg.Session(cache=tmp_path / "b").store.root == tmp_path / "b"
+    with pytest.raises(TypeError, match="cache="):
+        cg.Session(cache=3)
+
+
+def test_untrusted_dir_falls_back_to_memory_with_a_warning(tmp_path, caplog):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    with caplog.at_level(logging.WARNING):
+        assert open_store(root) is None
+    assert any(str(root) in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("raw, expected", [("0", None), ("1024", 1024), ("512M", 512 << 20), ("4g", 4 << 30),
+                                           ("2GiB", 2 << 30), (" 10k ", 10 << 10)])
+def test_cache_max_bytes_parsing(monkeypatch, raw, expected):
+    monkeypatch.setenv(config.CACHE_MAX_BYTES, raw)
+    assert config.cache_max_bytes() == expected
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5G", "G"])
+def test_cache_max_bytes_refuses_bad_values(monkeypatch, raw):
+    monkeypatch.setenv(config.CACHE_MAX_BYTES, raw)
+    with pytest.raises(ConfigError) as err:
+        config.cache_max_bytes()
+    assert err.value.variable == config.CACHE_MAX_BYTES and err.value.value == raw
+
+
+class _FakeGraph:
+    def serialize(self):
+        return list(b"plan-bytes")
+
+
+def _fake_plan(spec, signature="ab" * 32):
+    part = PlannedPart(name="conv", graph=_FakeGraph(), roles=("x", "w", "y"), index=3, engine="eng0_k2=1",
+                       engine_id=0, knobs={"TILE_SIZE": 1}, behavior_notes=("RUNTIME_COMPILATION",),
+                       notes=("TENSOR_CORE",), workspace_size=256, scalars={100: np.full((1,), 0.5, np.float32)},
+                       heuristic_index=3)
+    return Plan(spec=spec, signature=signature, device=0, fused=True, parts=(part,), intermediates={}, handles=None)
+
+
+def test_record_from_a_plan_round_trips_through_the_store(tmp_path, fake_env):
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1, alpha=0.5)
+    record = plan_to_record(_fake_plan(spec), env=fake_env)
+    store = PlanStore(tmp_path)
+    assert store.put(record)
+    back = store.get(record.key)
+    assert msgpack.unpackb(back.blob) == [b"plan-bytes"]
+    meta = back.meta
+    assert meta["schema"] == RECORD_SCHEMA and cg.spec_from_dict(meta["spec"]) == spec
+    assert meta["environment"]["gpu_name"] == fake_env.gpu_name and meta["chosen_by"] == "heuristics"
+    part = meta["parts"][0]
+    assert (part["engine_id"], part["knobs"], part["scalars"]) == (0, {"TILE_SIZE": 1}, [[100, 0.5]])
+    assert part["numerical_notes"] == ["TENSOR_CORE"] and part["blob_index"] == 0
+
+
+def test_record_for_another_spec_or_schema_is_not_loaded(fake_env):
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    record = plan_to_record(_fake_plan(spec), env=fake_env)
+    other = spec.replace(padding=0)
+    assert load_plan(record, spec=other, session=None) is None
+    record.meta["schema"] = RECORD_SCHEMA + 1
+    assert load_plan(record, spec=spec, session=None) is None
+
+
+def test_unserializable_engine_stores_knobs_only(fake_env):
+    class NoSerialize:
+        def serialize(self):
+            raise RuntimeError("engine does not support serialization")
+
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    plan = _fake_plan(spec)
+    plan.parts[0].graph = NoSerialize()
+    record = plan_to_record(plan, env=fake_env)
+    assert msgpack.unpackb(record.blob) == [None] and record.meta["parts"][0]["engine_id"] == 0
+
+
+def test_unprobed_notes_are_not_stored_and_probe_lazily(fake_env):
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    plan = _fake_plan(spec)
+    part = plan.parts[0]
+    calls = []
+    part.notes, part.notes_source = "unprobed", lambda: calls.append(1) or ("NONDETERMINISTIC",)
+    assert "numerical_notes" not in plan_to_record(plan, env=fake_env).meta["parts"][0]
+    assert part.deterministic is False and plan.deterministic is False
+    assert part.numerical_notes == ("NONDETERMINISTIC",) and calls == [1]
+    assert plan_to_record(plan, env=fake_env).meta["parts"][0]["numerical_notes"] == ["NONDETERMINISTIC"]
+
+
+def test_sessions_that_choose_differently_do_not_share_records():
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1, bias=True, activation="relu")
+    keys = {cg.Session(cache=False).signature(spec), cg.Session(cache=False, max_workspace_bytes=0).signature(spec),
+            cg.Session(cache=False, fuse=False).signature(spec), cg.Session(cache=False, deterministic=True).signature(spec)}
+    assert len(keys) == 4
