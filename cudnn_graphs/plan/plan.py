@@ -64,7 +64,8 @@ class PlannedPart:
         fast = _backend_entry(self.graph, self.index, handle)
         if fast is not None:
             execute, cpp_index, backend_handle = fast
-            return functools.partial(execute, pack, workspace_ptr, cpp_index, backend_handle)
+            raw = _raw_pointer_call(self.graph, pack, workspace_ptr, cpp_index, backend_handle)
+            return raw or functools.partial(execute, pack, workspace_ptr, cpp_index, backend_handle)
         return functools.partial(self.graph.execute_plan_at_index, pack, workspace_ptr, self.index, handle=handle)
 
 
@@ -88,6 +89,30 @@ def _backend_entry(graph: Any, index: int, handle: Any) -> tuple | None:
     except (AttributeError, ImportError, IndexError, TypeError):
         return None
     return (execute, cfg.cpp_index, to_backend_handle(handle)) if cfg.cpp_index is not None else None
+
+
+def _raw_pointer_call(graph: Any, pack: dict[int, int], workspace_ptr: int, cpp_index: int,
+                      backend_handle: Any) -> Callable[[], None] | None:
+    """The backend's sorted-pointer entry (FE >= 1.28): no dict to convert or map to copy per call.
+
+    It takes the operands' addresses as one array, in the ascending-uid order the backend reports.
+    """
+    try:
+        lowered = graph._lowered_graph
+        lowered._prepare_variant_pack_template()
+        order = list(lowered._get_variant_pack_uids_sorted())
+        execute = lowered._execute_with_raw_ptrs
+    except Exception:  # an older frontend, or a graph without a template: the dict entry serves
+        return None
+    if not order or any(uid not in pack for uid in order):
+        return None
+    ptrs = np.array([pack[uid] for uid in order], dtype=np.uint64)
+    args = (ptrs.ctypes.data, len(order), workspace_ptr, backend_handle or 0, cpp_index)
+
+    def call(ptrs: np.ndarray = ptrs) -> None:  # the default argument keeps the array alive
+        execute(*args)
+
+    return call
 
 
 @dataclass

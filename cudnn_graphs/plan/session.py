@@ -94,7 +94,10 @@ class Session:
         plan = self._memory.get(spec)
         if plan is not None:
             self._counts["memory_hits"] += 1
-            self._memory.move_to_end(spec)
+            try:
+                self._memory.move_to_end(spec)
+            except KeyError:  # evicted by another thread since the get: the plan is still good
+                pass
             return plan
         with self._lock:  # one build per spec even when threads race for it
             plan = self._memory.get(spec) or self._load_or_build(spec)
