@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import cudnn_graphs as cg  # noqa: E402
-from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvBwdFilterRequest, ConvFwdRequest  # noqa: E402
+from cudnn_graphs import BufferMismatchError, ConvFwdRequest  # noqa: E402
 
 from . import gpu_reference as ref  # noqa: E402
 

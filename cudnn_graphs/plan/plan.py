@@ -6,7 +6,7 @@ import functools
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -15,6 +15,9 @@ from ..execute import buffers as _buffers
 from ..execute.streams import allocate, stream_pointer
 from ..graph import ROLE_UIDS, frontend
 from ..spec.dtypes import ITEMSIZE
+
+if TYPE_CHECKING:
+    from ..execute.capture import CapturedPlan
 
 
 UNPROBED = "unprobed"
