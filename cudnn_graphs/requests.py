@@ -170,9 +170,7 @@ class ConvBwdFilterRequest(_ConvRequest):
 def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
     """channels_first or channels_last when densely packed that way, else None."""
     for layout in (geometry.CHANNELS_FIRST, geometry.CHANNELS_LAST):
-        packed = geometry.packed_strides(shape, layout)
-        # Size-1 dims never address memory: frameworks give them arbitrary strides.
-        if all(s == p or d == 1 for s, p, d in zip(strides, packed, shape)):
+        if _buffers.same_layout(strides, geometry.packed_strides(shape, layout), shape):
             return layout
     return None
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from cudnn_graphs.errors import KernelCompileError
+from cudnn_graphs.execute.streams import external_stream
 from cudnn_graphs.spec.activations import ACTIVATIONS
 
 ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order matches the enum in epilogue.cu
@@ -80,7 +81,7 @@ class KernelPart:
     def run(self, args: tuple, workspace_ptr: int, stream_ptr: int, handle: Any) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.device), _external_stream(stream_ptr):
+        with cupy.cuda.Device(self.device), external_stream(stream_ptr):
             self.function((self.grid,), (self.block,), args)
 
     def executor(self, args: tuple, workspace_ptr: int, stream_ptr: int, handle: Any) -> Any:
@@ -89,18 +90,7 @@ class KernelPart:
 
         if cupy.cuda.runtime.getDevice() != self.device:  # a module is loaded per device: switch for the launch
             return functools.partial(self.run, args, workspace_ptr, stream_ptr, handle)
-        return functools.partial(self.function, (self.grid,), (self.block,), args, stream=_external_stream(stream_ptr))
-
-
-@functools.lru_cache(maxsize=64)
-def _external_stream(ptr: int) -> Any:
-    import warnings
-
-    import cupy
-
-    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; 13 lacks the replacement
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(ptr)
+        return functools.partial(self.function, (self.grid,), (self.block,), args, stream=external_stream(stream_ptr))
 
 
 def _grid(n: int) -> int:

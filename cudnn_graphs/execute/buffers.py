@@ -94,13 +94,13 @@ def check(info: BufferInfo, desc: TensorDesc, role: str, device: int) -> None:
         raise BufferMismatchError(role, "dtype", desc.dtype, info.dtype)
     if info.device is not None and info.device != device:
         raise BufferMismatchError(role, "device", device, info.device)
-    if not _same_layout(info.strides, desc.strides, desc.shape):
+    if not same_layout(info.strides, desc.strides, desc.shape):
         raise BufferMismatchError(role, "strides", desc.strides, info.strides)
     # A misaligned element pointer faults inside cuDNN's kernels instead of failing cleanly.
     if info.ptr % ITEMSIZE[desc.dtype]:
         raise BufferMismatchError(role, "alignment", f"a multiple of {ITEMSIZE[desc.dtype]} bytes", hex(info.ptr))
 
 
-def _same_layout(got: tuple[int, ...] | None, expected: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+def same_layout(got: tuple[int, ...] | None, expected: tuple[int, ...], shape: tuple[int, ...]) -> bool:
     # Strides of size-1 dims never address memory: frameworks pick arbitrary values there.
     return got is not None and all(g == e or d == 1 for g, e, d in zip(got, expected, shape))

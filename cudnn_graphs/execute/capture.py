@@ -6,12 +6,12 @@ a replay is one `cudaGraphLaunch` however many parts the plan has.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GraphCaptureError
 from ..graph import frontend
+from .streams import external_stream
 
 
 @dataclass
@@ -31,7 +31,7 @@ def capture(bound) -> CapturedPlan:
 
     plan = bound.plan
     with cupy.cuda.Device(plan.device):
-        origin = _external(bound.stream_ptr)
+        origin = external_stream(bound.stream_ptr)
         side = cupy.cuda.Stream(non_blocking=True)  # the legacy default stream cannot be captured
         side.wait_event(origin.record())  # the capture must not overtake work queued on the bound stream
         side.begin_capture()
@@ -52,10 +52,3 @@ def capture(bound) -> CapturedPlan:
         raise GraphCaptureError(plan.spec, plan.engines, error)
     return CapturedPlan(bound, graph, origin)
 
-
-def _external(ptr: int) -> Any:
-    import cupy
-
-    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; 13 lacks the replacement
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(ptr)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 from typing import Any
 
 
@@ -68,3 +70,13 @@ def _cupy_dtype(name: str):
         raise BufferMismatchError("output", "dtype", "an output buffer passed in (CuPy needs ml_dtypes to "
                                   "allocate bfloat16)", name) from None
     return numpy.dtype(ml_dtypes.bfloat16)
+
+
+@functools.lru_cache(maxsize=64)
+def external_stream(ptr: int) -> Any:
+    """A CuPy stream object for a raw cudaStream_t, cached: creating one per launch costs microseconds."""
+    import cupy
+
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; 13 lacks the replacement
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr)

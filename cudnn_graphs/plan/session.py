@@ -194,13 +194,12 @@ class Session:
                 log.warning("%s: stored plan did not load (%s); rebuilding from engine id + knobs", entry["engine"], err)
         if graph is None:
             graph, index, how = *self._rebuild_from_knobs(spec, meta, i, entry), "knobs"
-        scalar_dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32
         rank = entry.get("heuristic_index")
         part = PlannedPart(
             name=entry["name"], graph=graph, roles=tuple(entry["roles"]), index=index, engine=entry["engine"],
             engine_id=int(entry["engine_id"]), knobs=dict(entry["knobs"]),
             behavior_notes=tuple(entry["behavior_notes"]), workspace_size=int(entry["workspace_size"]),
-            scalars={int(uid): np.full((1,), v, dtype=scalar_dtype) for uid, v in entry["scalars"]},
+            scalars=_scalar_arrays(spec, {int(uid): v for uid, v in entry["scalars"]}),
             nondeterministic_excluded=bool(entry["nondeterministic_excluded"]), heuristic_index=rank,
             notes=_stored_notes(entry),
             notes_source=None if rank is None else self._notes_source(spec, bool(meta["fused"]), meta.get("acc_dtype"),
@@ -254,14 +253,13 @@ class Session:
         index = _build_first(g)
         engine_id, knobs = g.get_engine_and_knobs_at_index(index)
         engine = g.get_plan_name_at_index(index)
-        scalar_dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32
 
         return PlannedPart(
             name=part.name, graph=g, roles=part.roles, index=index, engine=engine,
             engine_id=int(engine_id), knobs=frontend.knob_names(knobs),
             behavior_notes=tuple(str(n).rsplit(".", 1)[-1] for n in g.get_behavior_notes_for_plan_at_index(index)),
             workspace_size=int(g.get_workspace_size_plan_at_index(index)),
-            scalars={uid: np.full((1,), value, dtype=scalar_dtype) for uid, value in part.scalars.items()},
+            scalars=_scalar_arrays(spec, part.scalars),
             nondeterministic_excluded=self.deterministic, heuristic_index=index,
             notes_source=self._notes_source(spec, build.fused, acc_dtype, i, index, engine),
         )
@@ -295,6 +293,12 @@ def _build_first(g) -> int:
         except Exception as err:  # a declined engine: try the next one
             errors.append(f"[{index}] {err}")
     raise RuntimeError("no execution plan could be built: " + ("; ".join(errors[-3:]) or "empty plan list"))
+
+
+def _scalar_arrays(spec, values: dict[int, float]) -> dict[int, np.ndarray]:
+    # cuDNN reads each scalar through a host pointer as exactly the declared compute type.
+    dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32
+    return {uid: np.full((1,), value, dtype=dtype) for uid, value in values.items()}
 
 
 def _stored_notes(entry: dict) -> Any:
