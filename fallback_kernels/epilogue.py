@@ -3,27 +3,27 @@
 from __future__ import annotations
 
 import functools
-import importlib.resources
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from cudnn_graphs.errors import KernelCompileError
 from cudnn_graphs.execute.streams import external_stream
 from cudnn_graphs.spec.activations import ACTIVATIONS
+
+from . import compile as _compile
 
 ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order matches the enum in epilogue.cu
 # io dtype -> (C++ storage type, math type)
 CTYPES = {"float16": ("half_t", "float"), "bfloat16": ("bf16_t", "float"), "float32": ("float", "float"),
           "float64": ("double", "double")}
 KERNELS = ("epilogue_fwd", "epilogue_act_backward")
-OPTIONS = ("--std=c++17",)
+OPTIONS = _compile.BASE_OPTIONS
 BLOCK = 256
 
 
 def source() -> str:
-    return importlib.resources.files(__package__).joinpath("epilogue.cu").read_text()
+    return _compile.source("epilogue.cu")
 
 
 def name_expressions() -> list[str]:
@@ -35,17 +35,8 @@ def name_expressions() -> list[str]:
     return names
 
 
-@functools.lru_cache(maxsize=None)
 def _module(device: int) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=source(), options=OPTIONS, name_expressions=name_expressions())
-        try:
-            module.compile()
-        except cupy.cuda.compiler.CompileException as err:
-            raise KernelCompileError("epilogue.cu", str(err), OPTIONS) from err
-    return module
+    return _compile.load_module("epilogue.cu", tuple(name_expressions()), device, OPTIONS)
 
 
 def _meta(shape, *strides_per_tensor) -> np.ndarray:

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import pytest
 
+from cudnn_graphs.errors import KernelCompileError
+from fallback_kernels import compile as kc
 from fallback_kernels import epilogue
 
-nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_epilogue_compiles(arch):
-    prog = nvrtc.createProgram(epilogue.source(), "epilogue.cu", [], [])
-    for name in epilogue.name_expressions():
-        nvrtc.addNameExpression(prog, name)
-    try:
-        nvrtc.compileProgram(prog, [*epilogue.OPTIONS, f"--gpu-architecture={arch}"])
-    except Exception as err:  # show the compiler's log, not just its status
-        pytest.fail(f"{err}\n{nvrtc.getProgramLog(prog)}")
-    for name in epilogue.name_expressions():
-        assert nvrtc.getLoweredName(prog, name)  # every instantiation exists
+    lowered = kc.nvrtc_check("epilogue.cu", epilogue.name_expressions(), arch, epilogue.OPTIONS)
+    assert all(lowered[name] for name in epilogue.name_expressions())  # every instantiation exists
+
+
+def test_compile_failure_carries_the_log(monkeypatch):
+    monkeypatch.setattr(kc, "source", lambda filename: "__global__ void k() { not_a_function(); }")
+    with pytest.raises(KernelCompileError) as err:
+        kc.nvrtc_check("broken.cu", ["k"], "sm_90")
+    assert "not_a_function" in err.value.log and err.value.kernel == "broken.cu"
 
 
 def test_activation_codes_match_the_cuda_enum():

@@ -1,0 +1,24 @@
+"""Drop-in PyTorch modules and functions backed by this library's fallback kernels.
+
+`import cudnn_graphs.torch` needs torch; the names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "grid_sample": "grid_sample",
+    "GridSample": "grid_sample",
+    "linear_act": "linear_act",
+    "LinearAct": "linear_act",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,54 @@
+"""One way to turn a shipped .cu file into a loaded module: NVRTC through CuPy, per device, cached.
+
+CuPy's RawModule keeps the compiled binary in its on-disk kernel cache ($CUPY_CACHE_DIR, default
+~/.cupy/kernel_cache), so a second process loads it instead of compiling again; this module adds the
+per-process memo and turns compiler failures into `KernelCompileError` with the log and options.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from typing import Any, Sequence
+
+from cudnn_graphs.errors import KernelCompileError
+
+BASE_OPTIONS = ("--std=c++17",)
+
+
+def source(filename: str) -> str:
+    """The text of a kernel source shipped in this package."""
+    return importlib.resources.files(__package__).joinpath(filename).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def load_module(filename: str, name_expressions: tuple[str, ...], device: int,
+                options: tuple[str, ...] = BASE_OPTIONS) -> Any:
+    """A compiled cupy.RawModule of `filename` for `device`; raises KernelCompileError."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=source(filename), options=options, name_expressions=name_expressions)
+        try:
+            module.compile()
+        except cupy.cuda.compiler.CompileException as err:
+            raise KernelCompileError(filename, str(err), options) from err
+    return module
+
+
+def nvrtc_check(filename: str, name_expressions: Sequence[str], arch: str,
+                options: tuple[str, ...] = BASE_OPTIONS) -> dict[str, str]:
+    """Compile with NVRTC for `arch` (e.g. "sm_90") without a GPU; {name expression: lowered name}."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        for name in name_expressions:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*options, f"--gpu-architecture={arch}"])
+        except Exception as err:  # the status alone says nothing: attach the compiler's log
+            raise KernelCompileError(filename, f"{err}\n{nvrtc.getProgramLog(prog)}", options) from err
+        return {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
