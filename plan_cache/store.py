@@ -25,7 +25,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,7 +48,7 @@ _FILE_MODE = 0o600
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
-_COUNTERS = ("hits", "misses", "puts", "puts_skipped", "evictions", "corrupt", "untrusted")
+_COUNTERS = ("hits", "misses", "puts", "puts_skipped", "puts_kept_existing", "evictions", "corrupt", "untrusted")
 
 
 class _Entry(NamedTuple):
@@ -296,8 +296,12 @@ class PlanStore:
 
     # --- writing ---------------------------------------------------------------------------------------------
 
-    def put(self, record: PlanRecord) -> bool:
-        """Store `record` (replacing any under its key). False, with one warning, if it cannot be stored."""
+    def put(self, record: PlanRecord, *, keep_existing: Callable[[PlanRecord], bool] | None = None) -> bool:
+        """Store `record`, replacing any under its key. False, with one warning, if it cannot be stored.
+
+        `keep_existing(old)`: when given, it is asked about the record already stored (read under a lock
+        that every conditional writer takes) and True keeps the old record; `put` then returns False.
+        """
         data = encode(record)
         limit = min(self._max_bytes or MAX_RECORD_BYTES, MAX_RECORD_BYTES)
         if len(data) > limit:
@@ -307,7 +311,11 @@ class PlanStore:
             return False
         path = self._record_path(record.key)
         try:
-            self._write_atomic(path, data)
+            if keep_existing is None:
+                self._write_atomic(path, data)
+            elif not self._write_unless_kept(path, record.key, data, keep_existing):
+                self._count("puts_kept_existing")
+                return False
         except OSError as err:
             self._count("puts_skipped")
             logger.warning("plan cache: cannot write %s (%s); the plan is not cached on disk", path, err)
@@ -315,6 +323,15 @@ class PlanStore:
         self._count("puts")
         if self._max_bytes is not None:
             self._evict_if_over()
+        return True
+
+    def _write_unless_kept(self, path: Path, key: str, data: bytes, keep_existing: Callable[[PlanRecord], bool]) -> bool:
+        # Read-compare-replace under one lock, so two conditional writers cannot both pass the check.
+        with self._lock(".write"):  # on a lock timeout (warned) the compare still runs, unlocked
+            old = self._load(path, key)
+            if old.status == "ok" and keep_existing(old.record):
+                return False
+            self._write_atomic(path, data)
         return True
 
     def _write_atomic(self, path: Path, data: bytes) -> None:
@@ -353,16 +370,28 @@ class PlanStore:
         except OSError as err:
             logger.warning("plan cache: eviction failed (%s); the cache may exceed its cap until the next put", err)
 
-    def _evict(self) -> None:
+    def _evict(self, max_bytes: int | None = None) -> int:
         # Rescan under the lock: another evictor may have run since the unlocked look. Sweep dead temps as we go.
+        cap = self._max_bytes if max_bytes is None else max_bytes
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
-        total = sum(e.size for e in entries)
+        total, evicted = sum(e.size for e in entries), 0
         for entry in sorted(entries, key=lambda e: e.mtime_ns):  # least recently used first
-            if total <= self._max_bytes:
+            if total <= cap:
                 break
             if self._unlink_if_unchanged(entry):
                 total -= entry.size
+                evicted += 1
                 self._count("evictions")
+        return evicted
+
+    def prune(self, max_bytes: int) -> int:
+        """Evict least recently used records until at most `max_bytes` remain; how many were removed."""
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes: {max_bytes!r} must be an int >= 0")
+        with self._eviction_lock() as held:
+            if not held:
+                return 0
+            return self._evict(max_bytes)
 
     @staticmethod
     def _unlink_if_unchanged(entry: _Entry) -> bool:
@@ -375,18 +404,21 @@ class PlanStore:
             return False
         return True
 
+    def _eviction_lock(self) -> contextlib.AbstractContextManager[bool]:
+        return self._lock(".evict")
+
     @contextlib.contextmanager
-    def _eviction_lock(self) -> Iterator[bool]:
-        lock = self._acquire_lock()
+    def _lock(self, name: str) -> Iterator[bool]:
+        lock = self._acquire_lock(name)
         try:
             yield lock is not None
         finally:
             if lock is not None:
                 lock.release()
 
-    def _acquire_lock(self) -> filelock.BaseFileLock | None:
+    def _acquire_lock(self, name: str) -> filelock.BaseFileLock | None:
         if not self._use_soft_lock:
-            lock = filelock.FileLock(os.fspath(self._root / ".evict.lock"), timeout=self._lock_timeout)
+            lock = filelock.FileLock(os.fspath(self._root / f"{name}.lock"), timeout=self._lock_timeout)
             try:
                 lock.acquire()
                 return lock
@@ -396,7 +428,7 @@ class PlanStore:
                 # No flock here (some network filesystems): an exclusively created lock file still serialises.
                 logger.info("plan cache: file locks unsupported under %s (%s); using a soft lock", self._root, err)
                 self._use_soft_lock = True
-        lock = filelock.SoftFileLock(os.fspath(self._root / ".evict.softlock"), timeout=self._lock_timeout)
+        lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=self._lock_timeout)
         try:
             lock.acquire()
             return lock
@@ -404,8 +436,8 @@ class PlanStore:
             return self._lock_timed_out(lock)
 
     def _lock_timed_out(self, lock: filelock.BaseFileLock) -> None:
-        logger.warning("plan cache: eviction lock %s not acquired in %.1f s; eviction skipped this time",
-                       lock.lock_file, self._lock_timeout)
+        what = "eviction skipped this time" if ".evict" in lock.lock_file else "going on without it"
+        logger.warning("plan cache: lock %s not acquired in %.1f s; %s", lock.lock_file, self._lock_timeout, what)
         return None
 
     def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:

@@ -569,7 +569,7 @@ def test_keys_delete_stats(store):
     assert store.get(KEY_B) is None and store.get(KEY_A) is not None
     stats = store.stats()
     on_disk = sum(_record_path(store, k).stat().st_size for k in keys if k != KEY_B)
-    assert stats == {"entries": 4, "total_bytes": on_disk, "max_bytes": None, "hits": 1, "misses": 1, "puts": 5,
+    assert stats == {"entries": 4, "total_bytes": on_disk, "max_bytes": None, "hits": 1, "misses": 1, "puts": 5, "puts_kept_existing": 0,
                      "puts_skipped": 0, "evictions": 0, "corrupt": 0, "untrusted": 0}
 
 
@@ -610,3 +610,28 @@ def test_public_names():
         assert hasattr(plan_cache, name), name
     assert issubclass(UntrustedCacheError, PermissionError)
     assert CorruptRecordError("why").reason == "why"
+
+
+def test_conditional_put_keeps_the_existing_record(tmp_path):
+    store = PlanStore(tmp_path / "c")
+    store.put(PlanRecord("k1", b"tuned", {"chosen_by": "autotune"}))
+    kept = store.put(PlanRecord("k1", b"heur", {"chosen_by": "heuristics"}),
+                     keep_existing=lambda old: old.meta["chosen_by"] == "autotune")
+    assert kept is False and store.get("k1").blob == b"tuned"
+    assert store.stats()["puts_kept_existing"] == 1
+    assert store.put(PlanRecord("k1", b"tuned2", {"chosen_by": "autotune"}), keep_existing=lambda old: False)
+    assert store.get("k1").blob == b"tuned2"
+    assert store.put(PlanRecord("k2", b"x", {}), keep_existing=lambda old: True)  # nothing to keep: written
+
+
+def test_prune_evicts_least_recently_used_down_to_the_cap(tmp_path):
+    store = PlanStore(tmp_path / "c", touch_interval=0)
+    for i, key in enumerate(["a1", "b2", "c3"]):
+        store.put(PlanRecord(key, bytes(1000), {}))
+        path = store._record_path(key)
+        os.utime(path, ns=(i * 10**9, i * 10**9))  # a1 oldest
+    size = os.path.getsize(store._record_path("a1"))
+    assert store.prune(2 * size) == 1 and sorted(store.keys()) == ["b2", "c3"]
+    assert store.prune(0) == 2 and list(store.keys()) == []
+    with pytest.raises(ValueError):
+        store.prune(-1)
