@@ -11,6 +11,7 @@ from .errors import (BufferMismatchError, ConfigError, CudnnGraphsError, Fronten
                      KernelCompileError, SpecError, UnsupportedGraphError)
 from .graph import GraphBuild, GraphPart, build_graph
 from .plan import Plan, Session
+from .recording import record
 from .requests import ConvBwdDataRequest, ConvBwdFilterRequest, ConvFwdRequest
 from .signature import signature
 from .spec import (ACTIVATIONS, Activation, ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, TensorDesc,
@@ -21,5 +22,5 @@ __all__ = [
     "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudnnGraphsError", "Environment",
     "FrontendMissingError", "GraphBuild", "GraphCaptureError", "GraphPart", "KernelCompileError", "Plan", "Session",
     "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data",
-    "conv_bwd_filter", "conv_fwd", "default_session", "environment", "run", "signature", "spec_from_dict",
+    "conv_bwd_filter", "conv_fwd", "default_session", "environment", "record", "run", "signature", "spec_from_dict",
 ]

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 
 from . import config
 from ._version import __version__
+from .cache_cli import add_cache_parser, run_cache
 from .environment import environment
 from .errors import CudnnGraphsError, SpecError
 from .signature import signature
@@ -28,7 +29,46 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="validate spec files (JSON Lines of spec.to_dict()), build their graphs, print signatures")
     check.add_argument("specfile", nargs="+", help="JSON Lines file; '-' reads standard input")
     check.add_argument("--no-graph", action="store_true", help="only validate specs, do not build graphs")
+    _add_warmup_parser(sub)
+    add_cache_parser(sub)
     return p
+
+
+def _add_warmup_parser(sub) -> None:
+    from .presets import PRESETS
+
+    w = sub.add_parser(
+        "warmup", help="plan specs ahead of a job and store their plans in the cache",
+        description="Plan every spec (from spec files and/or a preset network) and store it in the plan cache, "
+                    "so a later job's first step loads plans instead of building or timing them.")
+    w.add_argument("specfile", nargs="*", help="JSON Lines of spec.to_dict() (e.g. written by record mode); "
+                   "'-' reads standard input")
+    w.add_argument("--preset", choices=PRESETS, help="a network's conv layers: forward, dgrad and wgrad")
+    w.add_argument("--batch", type=_positive_int, default=32, help="preset batch size (default 32)")
+    w.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32", "float64"),
+                   help="preset dtype (default float16)")
+    w.add_argument("--layout", default="channels_last", choices=("channels_last", "channels_first"),
+                   help="preset memory layout (default channels_last)")
+    w.add_argument("--autotune", action="store_true",
+                   help="time every candidate plan and store the fastest (upgrades heuristic records)")
+    w.add_argument("--autotune-limit", type=_positive_int, default=None, metavar="N",
+                   help="time at most N candidates per graph")
+    w.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+    w.add_argument("--cache", metavar="DIR", help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user "
+                   "cache dir)")
+    w.add_argument("--dry-run", action="store_true", help="print specs and signatures only; needs no GPU")
+    w.add_argument("--strict", action="store_true", help="stop at the first bad spec-file line")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def _read_specs(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
@@ -75,6 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "check":
             return _check(args)
+        if args.command == "cache":
+            return run_cache(args)
+        if args.command == "warmup":
+            from .warmup import run_warmup
+
+            return run_warmup(args)
     except (CudnnGraphsError, OSError) as err:
         print(f"cudnn-graphs: {err}", file=sys.stderr)
         return 2

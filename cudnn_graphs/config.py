@@ -15,6 +15,9 @@ CACHE_DIR = "CUDNN_GRAPHS_CACHE_DIR"
 MEMORY_CACHE_SIZE = "CUDNN_GRAPHS_MEMORY_CACHE_SIZE"
 DISABLE_CACHE = "CUDNN_GRAPHS_DISABLE_CACHE"
 CACHE_MAX_BYTES = "CUDNN_GRAPHS_CACHE_MAX_BYTES"
+RECORD = "CUDNN_GRAPHS_RECORD"
+POLICY = "CUDNN_GRAPHS_POLICY"
+POLICIES = ("heuristic", "autotune")
 
 DEFAULT_MEMORY_CACHE_SIZE = 1024
 DEFAULT_CACHE_MAX_BYTES = 4 << 30  # runtime-compiled plans are ~0.1 MB: tens of thousands of them
@@ -82,17 +85,47 @@ def cache_max_bytes() -> int | None:
     raw = _raw(CACHE_MAX_BYTES)
     if raw is None or raw.strip() == "":
         return DEFAULT_CACHE_MAX_BYTES
-    text = raw.strip().lower().removesuffix("ib").removesuffix("b")
-    number, unit = (text[:-1], text[-1]) if text and text[-1] in _UNITS else (text, "")
+    try:
+        value = parse_bytes(raw)
+    except ValueError as err:
+        raise ConfigError(CACHE_MAX_BYTES, raw, f"{err} (0 means no cap)") from None
+    return value or None
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count such as 4294967296, 512M, 4G or 4GiB (K/M/G/T are powers of 1024); ValueError if not."""
+    body = text.strip().lower().removesuffix("ib").removesuffix("b")
+    number, unit = (body[:-1], body[-1]) if body and body[-1] in _UNITS else (body, "")
     try:
         value = int(number, 10) * _UNITS[unit]
     except ValueError:
-        raise ConfigError(CACHE_MAX_BYTES, raw, "expected a byte count such as 4294967296, 512M or 4G") from None
+        raise ValueError(f"{text!r} is not a byte count such as 4294967296, 512M or 4G") from None
     if value < 0:
-        raise ConfigError(CACHE_MAX_BYTES, raw, "must be >= 0 (0 means no cap)")
-    return value or None
+        raise ValueError(f"{text!r}: must be >= 0")
+    return value
+
+
+def record_path() -> str | None:
+    """$CUDNN_GRAPHS_RECORD: a spec file every planned spec is appended to (record mode), or None."""
+    raw = _raw(RECORD)
+    if raw is None or raw.strip() == "":
+        return None
+    path = Path(raw).expanduser()
+    if path.is_dir():
+        raise ConfigError(RECORD, raw, "is a directory; name a .jsonl file to append specs to")
+    return str(path)
+
+
+def default_policy() -> str:
+    """$CUDNN_GRAPHS_POLICY: how sessions made without a `policy` choose plans (default heuristic)."""
+    raw = _raw(POLICY)
+    if raw is None or raw.strip() == "":
+        return "heuristic"
+    if raw.strip().lower() not in POLICIES:
+        raise ConfigError(POLICY, raw, f"expected one of {list(POLICIES)}")
+    return raw.strip().lower()
 
 
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
-    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES)}
+    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY)}

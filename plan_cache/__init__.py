@@ -6,8 +6,10 @@ any corrupt or untrusted file as a miss. Kept separate from `cudnn_graphs` so it
 a GPU or the cuDNN frontend.
 """
 
+from .bundle import CorruptBundleError, ImportReport, export_bundle, import_bundle
 from .errors import CacheError, CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, PlanRecord
 from .store import PlanStore
 
-__all__ = ["FORMAT_VERSION", "CacheError", "CorruptRecordError", "PlanRecord", "PlanStore", "UntrustedCacheError"]
+__all__ = ["FORMAT_VERSION", "CacheError", "CorruptBundleError", "CorruptRecordError", "ImportReport", "PlanRecord",
+           "PlanStore", "UntrustedCacheError", "export_bundle", "import_bundle"]

@@ -37,7 +37,7 @@ MAX_KEY_LENGTH = 200  # leaves room for the ".rec" suffix under the usual 255-by
 MAX_RECORD_BYTES = 1 << 31  # a record file larger than this is garbage, not a plan: never read it whole
 _MAX_META_DEPTH = 32
 
-_PREFIX = struct.Struct("<7sxHQ")  # magic, reserved byte, format version, payload length
+_PREFIX = struct.Struct("<8sHQ")  # magic (7 bytes + a reserved zero byte), format version, payload length
 _DIGEST_SIZE = hashlib.sha256().digest_size
 HEADER_SIZE = _PREFIX.size + _DIGEST_SIZE
 _PAYLOAD_FIELDS = frozenset({"key", "blob", "meta", "created"})
@@ -120,9 +120,10 @@ class DecodedRecord(NamedTuple):
     created: float  # time.time() of the put that wrote it
 
 
-def pack_frame(payload: bytes, *, version: int = FORMAT_VERSION) -> bytes:
-    """Header + payload. Public for tests that need a well-framed file with a bad payload or version."""
-    prefix = _PREFIX.pack(MAGIC, version, len(payload))
+def pack_frame(payload: bytes, *, version: int = FORMAT_VERSION, magic: bytes = MAGIC) -> bytes:
+    """Header + payload. Public for tests that need a well-framed file with a bad payload or version,
+    and for other self-checking files of this package (bundles), which pass their own magic."""
+    prefix = _PREFIX.pack(magic, version, len(payload))
     digest = hashlib.sha256(prefix)
     digest.update(payload)
     return b"".join((prefix, digest.digest(), payload))
@@ -141,46 +142,49 @@ def encode(record: PlanRecord, *, created: float | None = None) -> bytes:
 def decode(data: bytes | bytearray | memoryview, *, expected_key: str | None = None) -> DecodedRecord:
     """Check and decode a record file's bytes; any problem raises CorruptRecordError and nothing else."""
     view = memoryview(data)
-    _check_header(view)
-    fields = _unpack_payload(view[HEADER_SIZE:])
+    if len(view) == 0:
+        raise CorruptRecordError("empty file")
+    payload = check_frame(view, magic=MAGIC, version=FORMAT_VERSION, error=CorruptRecordError)
+    fields = unpack_fields(payload, _PAYLOAD_FIELDS, error=CorruptRecordError, what="plan record")
     record, created = _record_from_fields(fields)
     if expected_key is not None and record.key != expected_key:
         raise CorruptRecordError(f"stored key {record.key!r} differs from requested key {expected_key!r}")
     return DecodedRecord(record, created)
 
 
-def _check_header(view: memoryview) -> None:
-    if len(view) == 0:
-        raise CorruptRecordError("empty file")
+def check_frame(view: memoryview, *, magic: bytes, version: int, error: type[CorruptRecordError],
+                what: str = "cudnn-graphs plan record") -> memoryview:
+    """The payload of a framed file after checking magic, version, length and checksum; `error(reason)` if bad."""
     if len(view) < HEADER_SIZE:
-        raise CorruptRecordError(f"truncated header: {len(view)} of {HEADER_SIZE} bytes")
-    magic, version, length = _PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise CorruptRecordError(f"bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptRecordError(f"format version {version}, this code reads {FORMAT_VERSION}")
+        raise error(f"truncated header: {len(view)} of {HEADER_SIZE} bytes")
+    found, found_version, length = _PREFIX.unpack_from(view)
+    if found.rstrip(b"\0") != magic.rstrip(b"\0"):
+        raise error(f"bad magic {bytes(found)!r}: not a {what}")
+    if found_version != version:
+        raise error(f"format version {found_version}, this code reads {version}")
     if length != len(view) - HEADER_SIZE:
-        raise CorruptRecordError(f"header says {length} payload bytes, file has {len(view) - HEADER_SIZE}")
+        raise error(f"header says {length} payload bytes, file has {len(view) - HEADER_SIZE}")
     digest = hashlib.sha256(view[:_PREFIX.size])
     digest.update(view[HEADER_SIZE:])
     if digest.digest() != view[_PREFIX.size:HEADER_SIZE]:
-        raise CorruptRecordError("checksum mismatch")
+        raise error("checksum mismatch")
+    return view[HEADER_SIZE:]
 
 
-def _unpack_payload(payload: memoryview) -> dict:
+def unpack_fields(payload: memoryview, fields: frozenset, *, error: type[CorruptRecordError], what: str) -> dict:
+    """A msgpack map with exactly `fields`, plain data only; `error(reason)` for anything else."""
+    def refuse_ext(code: int, data: bytes) -> None:
+        raise ValueError(f"msgpack extension type {code} in a {what}")  # plain data only
+
     try:
         # Default unpackb limits are bounded by the buffer length, so a forged length cannot allocate gigabytes.
-        fields = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext)
+        found = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, ext_hook=refuse_ext)
     except Exception as err:  # msgpack raises many types (ValueError, ExtraData, StackError, UnicodeDecodeError...)
-        raise CorruptRecordError(f"payload is not msgpack: {type(err).__name__}: {err}") from None
-    if not isinstance(fields, dict) or set(fields) != _PAYLOAD_FIELDS:
-        shown = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
-        raise CorruptRecordError(f"payload fields are {shown}, expected {sorted(_PAYLOAD_FIELDS)}")
-    return fields
-
-
-def _refuse_ext(code: int, data: bytes) -> None:
-    raise ValueError(f"msgpack extension type {code} in a plan record")  # records hold plain data only
+        raise error(f"payload is not msgpack: {type(err).__name__}: {err}") from None
+    if not isinstance(found, dict) or set(found) != fields:
+        shown = sorted(found) if isinstance(found, dict) else type(found).__name__
+        raise error(f"payload fields are {shown}, expected {sorted(fields)}")
+    return found
 
 
 def _record_from_fields(fields: dict) -> tuple[PlanRecord, float]:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import filelock
 
+from ._files import write_atomic
 from .errors import CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
 
@@ -114,29 +115,6 @@ def _scandir(path: str | Path) -> list[os.DirEntry]:
         return []
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable. Not possible everywhere (Windows, some network filesystems): best effort."""
-    flags = getattr(os, "O_DIRECTORY", None)
-    if flags is None:
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY | flags | _O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]  # os.write may write less than asked (signals, >2 GiB on Linux)
-
-
 class PlanStore:
     """A persistent, process-safe store of `PlanRecord`s under `root`.
 
@@ -192,6 +170,10 @@ class PlanStore:
 
     def _record_path(self, key: str) -> Path:
         return self._records / key[:2] / f"{key}{RECORD_SUFFIX}"
+
+    def path_of(self, key: str) -> Path:
+        """Where the record for `key` lives (it may not exist): for tools that read files without a get()."""
+        return self._record_path(validate_key(key))
 
     # --- reading ---------------------------------------------------------------------------------------------
 
@@ -341,21 +323,8 @@ class PlanStore:
         except FileNotFoundError:  # v1/ removed under us (a person's rm -rf): recreate it private
             self._records.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
-        # Same directory as the record so that os.replace is a rename within one filesystem, hence atomic.
-        temp = directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW | _O_BINARY, _FILE_MODE)
-        try:
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)  # data on disk before the name points at it, or a crash can leave an empty record
-            finally:
-                os.close(fd)
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-        _fsync_dir(directory)
+        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}",
+                     mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
 
     # --- eviction --------------------------------------------------------------------------------------------
 

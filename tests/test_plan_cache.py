@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import plan_cache
 from plan_cache import (FORMAT_VERSION, CorruptRecordError, PlanRecord, PlanStore, UntrustedCacheError)
 from plan_cache import record as record_mod
+from plan_cache import _files as files_mod
 from plan_cache import store as store_mod
 
 KEY_A = "a1" + "0" * 62
@@ -405,7 +406,7 @@ def test_put_write_failure_is_a_warning_not_an_exception(store, caplog, monkeypa
     def disk_full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_mod, "_write_all", disk_full)
+    monkeypatch.setattr(files_mod, "write_all", disk_full)
     with caplog.at_level(logging.WARNING, logger="plan_cache"):
         assert store.put(_record()) is False
     assert len(_warnings(caplog)) == 1 and "No space left" in _warnings(caplog)[0].getMessage()

@@ -28,7 +28,7 @@ class LoadOutcome(NamedTuple):
     rewrite: bool  # the record should be written again (a part was rebuilt)
 
 
-def plan_to_record(plan, *, env, chosen_by: str = "heuristics"):
+def plan_to_record(plan, *, env):
     """The record for `plan` under its signature; parts whose engine cannot serialize store no blob."""
     from plan_cache import PlanRecord
 
@@ -43,7 +43,7 @@ def plan_to_record(plan, *, env, chosen_by: str = "heuristics"):
         "schema": RECORD_SCHEMA, "library_version": __version__, "spec": plan.spec.to_dict(),
         "environment": env.to_dict(), "fused": plan.fused, "acc_dtype": plan.acc_dtype,
         "intermediates": {role: [list(d.shape), list(d.strides), d.dtype] for role, d in plan.intermediates.items()},
-        "parts": parts, "chosen_by": chosen_by, "created": time.time(), "build_ms": plan.build_ms,
+        "parts": parts, "chosen_by": plan.chosen_by, "created": time.time(), "build_ms": plan.build_ms,
     }
     return PlanRecord(key=plan.signature, blob=msgpack.packb(blobs, use_bin_type=True), meta=meta)
 
@@ -56,7 +56,9 @@ def _part_meta(part) -> dict[str, Any]:
     entry = {"kind": "cudnn", **common, "roles": list(part.roles), "engine_id": part.engine_id,
              "knobs": dict(part.knobs), "scalars": [[uid, float(a[0])] for uid, a in part.scalars.items()],
              "nondeterministic_excluded": bool(part.nondeterministic_excluded),
-             "heuristic_index": part.heuristic_index}
+             "heuristic_index": part.heuristic_index, "heuristic_modes": list(part.heuristic_modes)}
+    if part.tuning is not None:
+        entry["tuning"] = part.tuning
     if part.notes is not UNPROBED:  # probing costs heuristics queries: stored only once someone asked
         entry["numerical_notes"] = None if part.notes is None else list(part.notes)
     return entry
@@ -89,7 +91,8 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
     parts = tuple(p for p, _ in restored)
     rebuilt = any(how == "knobs" for _, how in restored)
     plan = session._new_plan(spec, record.key, fused=bool(meta["fused"]), parts=parts, intermediates=intermediates,
-                             acc_dtype=meta.get("acc_dtype"), build_ms=0.0)
+                             acc_dtype=meta.get("acc_dtype"), build_ms=0.0,
+                             chosen_by=str(meta.get("chosen_by", "heuristics")))
     return LoadOutcome(plan, "knobs" if rebuilt else "disk", rebuilt)
 
 

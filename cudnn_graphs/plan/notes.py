@@ -20,15 +20,17 @@ PROBED = ("NONDETERMINISTIC", "TENSOR_CORE", "DOWN_CONVERT_INPUTS", "REDUCED_PRE
           "WINOGRAD")
 
 
-def probe(new_graph: Callable[[], Any], *, index: int, engine: str) -> tuple[str, ...] | None:
-    """Names of the notes plan `index` carries, or None when the frontend's answer is not recognisable."""
+def probe(new_graph: Callable[[], Any], *, index: int, engine: str,
+          modes: tuple[str, ...] = ("A", "FALLBACK")) -> tuple[str, ...] | None:
+    """Names of the notes plan `index` (its rank under heuristics `modes`) carries, or None when the
+    frontend's answer is not recognisable."""
     fe = frontend.cudnn()
     found = []
     for name in PROBED:
         note = getattr(fe.numerical_note, name, None)
         if note is None:
             continue
-        has = _has_note(new_graph, note, index=index, engine=engine)
+        has = _has_note(new_graph, note, index=index, engine=engine, modes=modes)
         if has is None:
             return None
         if has:
@@ -36,11 +38,12 @@ def probe(new_graph: Callable[[], Any], *, index: int, engine: str) -> tuple[str
     return tuple(found)
 
 
-def _has_note(new_graph: Callable[[], Any], note: Any, *, index: int, engine: str) -> bool | None:
+def _has_note(new_graph: Callable[[], Any], note: Any, *, index: int, engine: str,
+              modes: tuple[str, ...]) -> bool | None:
     fe = frontend.cudnn()
     g = new_graph()
     g.build_operation_graph()
-    g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.FALLBACK])
+    g.create_execution_plans([getattr(fe.heur_mode, m) for m in modes])
     if g.get_execution_plan_count() <= index or g.get_plan_name_at_index(index) != engine:
         return None  # heuristics ranked differently this time: no answer rather than a wrong one
     g.select_numeric_notes([note])

@@ -39,7 +39,9 @@ class PlannedPart:
     # cuDNN reads pass-by-value scalars through a host pointer at every execute: keep them alive here.
     scalars: dict[int, np.ndarray] = field(repr=False)
     nondeterministic_excluded: bool = False  # chosen from a list filtered to deterministic plans
-    heuristic_index: int | None = None  # its rank in heuristics A+FALLBACK, which the note probe replays
+    heuristic_index: int | None = None  # its rank under `heuristic_modes`, which the note probe replays
+    heuristic_modes: tuple[str, ...] = ("A", "FALLBACK")
+    tuning: dict | None = None  # autotune's timing table for this part, when it was autotuned
     notes: Any = UNPROBED  # numerical notes: a tuple, None (unknowable), or UNPROBED until first asked
     notes_source: Any = field(default=None, repr=False, compare=False)  # () -> notes; costs heuristics queries
 
@@ -131,6 +133,7 @@ class Plan:
     handles: Any = field(repr=False)  # the session's per-thread cuDNN handles for this device
     acc_dtype: str | None = None  # dtype of the conv output an unfused plan hands to its epilogue
     build_ms: float = 0.0
+    chosen_by: str = "heuristics"  # or "autotune": timed against every candidate
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
     _bound: dict = field(default_factory=dict, repr=False)  # recent execute() bindings, by what was checked
 
@@ -160,7 +163,7 @@ class Plan:
         return {
             "op": self.spec.op, "signature": self.signature, "device": self.device, "fused": self.fused,
             "deterministic": self.deterministic, "accumulator_dtype": self.accumulator_dtype,
-            "workspace_size": self.workspace_size, "build_ms": round(self.build_ms, 3),
+            "workspace_size": self.workspace_size, "build_ms": round(self.build_ms, 3), "chosen_by": self.chosen_by,
             "parts": [_describe_part(p) for p in self.parts],
         }
 
@@ -272,7 +275,8 @@ def _describe_part(part) -> dict[str, Any]:
     return {"name": part.name, "engine": part.engine, "engine_id": getattr(part, "engine_id", None),
             "knobs": dict(getattr(part, "knobs", {}) or {}), "behavior_notes": list(part.behavior_notes),
             "numerical_notes": None if part.numerical_notes is None else list(part.numerical_notes),
-            "deterministic": part.deterministic, "workspace_size": part.workspace_size}
+            "deterministic": part.deterministic, "workspace_size": part.workspace_size,
+            "tuning": getattr(part, "tuning", None)}
 
 
 _BOUND_CACHE_SIZE = 16

@@ -12,20 +12,22 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..cache import load_plan, open_store, plan_to_record
+from ..cache import keep_existing, load_plan, open_store, plan_to_record, rank
 from ..environment import environment
 from ..errors import BufferMismatchError, UnsupportedGraphError
 from ..graph import build_graph, frontend
 from ..signature import signature
 from ..spec import dtypes
-from . import notes
+from . import autotune, notes
 from .plan import UNPROBED, Plan, PlannedPart
 
 log = logging.getLogger("cudnn_graphs")
 
 
-_COUNTERS = ("memory_hits", "disk_hits", "builds", "rebuilds_from_knobs", "rebuilds_from_heuristics", "disk_writes",
-             "build_ms", "load_ms")
+_COUNTERS = ("memory_hits", "disk_hits", "builds", "autotuned", "timings", "rebuilds_from_knobs",
+             "rebuilds_from_heuristics", "disk_writes", "build_ms", "load_ms")
+POLICIES = config.POLICIES
+AUTOTUNE_INPUTS = ("scratch", "request")
 
 
 class HandlePool:
@@ -49,9 +51,23 @@ class Session:
     """Plans specs on one device: validate -> operation graph -> heuristics A, FALLBACK -> build."""
 
     def __init__(self, *, device: int | None = None, deterministic: bool = False, allow_tf32: bool = True,
-                 max_workspace_bytes: int | None = None, fuse: bool = True, cache: Any = None):
+                 max_workspace_bytes: int | None = None, fuse: bool = True, cache: Any = None,
+                 policy: str | None = None, autotune_limit: int | None = None, autotune_inputs: str = "scratch"):
         """`cache`: None for the configured on-disk cache, False for memory only, a directory, or a
-        `plan_cache.PlanStore`. `fuse=False` skips the fused graph: conv graph, then the epilogue alone."""
+        `plan_cache.PlanStore`. `fuse=False` skips the fused graph: conv graph, then the epilogue alone.
+
+        `policy="autotune"` times every candidate plan (heuristics A, B, FALLBACK) and keeps the fastest;
+        `autotune_limit` caps how many are timed (like torch's benchmark_limit); `autotune_inputs="request"`
+        times on the request's own buffers in `run()` instead of random scratch buffers.
+        `policy=None` reads $CUDNN_GRAPHS_POLICY (default "heuristic").
+        """
+        policy = config.default_policy() if policy is None else policy
+        _check_choice("policy", policy, POLICIES)
+        _check_choice("autotune_inputs", autotune_inputs, AUTOTUNE_INPUTS)
+        if autotune_limit is not None and (isinstance(autotune_limit, bool) or not isinstance(autotune_limit, int)
+                                           or autotune_limit < 1):
+            raise ValueError(f"autotune_limit={autotune_limit!r}: expected None or an int >= 1")
+        self.policy, self.autotune_limit, self.autotune_inputs = policy, autotune_limit, autotune_inputs
         if max_workspace_bytes is not None and (isinstance(max_workspace_bytes, bool) or
                                                 not isinstance(max_workspace_bytes, int) or max_workspace_bytes < 0):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r}: expected None or an int >= 0")
@@ -89,8 +105,12 @@ class Session:
             policy["fuse"] = False
         return policy
 
-    def plan(self, spec) -> Plan:
-        """The plan for `spec`: from memory, else from the on-disk cache, else built (and stored)."""
+    def plan(self, spec, *, buffers: dict | None = None) -> Plan:
+        """The plan for `spec`: from memory, else from the on-disk cache, else built (and stored).
+
+        Under `policy="autotune"` a stored heuristic plan is tuned again and its record upgraded;
+        `buffers` (role -> buffer) are what autotuning times on when `autotune_inputs="request"`.
+        """
         plan = self._memory.get(spec)
         if plan is not None:
             self._counts["memory_hits"] += 1
@@ -100,7 +120,7 @@ class Session:
                 pass
             return plan
         with self._lock:  # one build per spec even when threads race for it
-            plan = self._memory.get(spec) or self._load_or_build(spec)
+            plan = self._memory.get(spec) or self._load_or_build(spec, buffers)
             self._remember(spec, plan)
         return plan
 
@@ -111,9 +131,14 @@ class Session:
         while len(self._memory) > self._memory_size:
             self._memory.popitem(last=False)
 
-    def _load_or_build(self, spec) -> Plan:
+    def _load_or_build(self, spec, buffers: dict | None) -> Plan:
+        from .. import recording
+
+        recording.note(spec)
         key = self.signature(spec)
         record = self.store.get(key) if self.store is not None else None
+        if record is not None and self.policy == "autotune" and rank(record.meta) == 0:
+            record = None  # a heuristic choice: tune it now and upgrade the record
         if record is not None:
             start = time.perf_counter()
             outcome = load_plan(record, spec=spec, session=self)
@@ -121,19 +146,21 @@ class Session:
             if outcome is not None:
                 self._counts["disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs"] += 1
                 if outcome.rewrite:
-                    self._store(outcome.plan, chosen_by=record.meta.get("chosen_by", "heuristics"))
+                    self._store(outcome.plan)
                 return outcome.plan
             self._counts["rebuilds_from_heuristics"] += 1
-        plan = self._build(spec, key)
-        self._counts["builds"] += 1
+        plan = self._build(spec, key, buffers)
+        self._counts["autotuned" if plan.chosen_by == "autotune" else "builds"] += 1
         self._counts["build_ms"] += plan.build_ms
-        self._store(plan, chosen_by="heuristics")
+        self._store(plan)
         return plan
 
-    def _store(self, plan: Plan, *, chosen_by: str) -> None:
+    def _store(self, plan: Plan) -> None:
         if self.store is None:
             return
-        if self.store.put(plan_to_record(plan, env=self.env, chosen_by=chosen_by)):
+        record = plan_to_record(plan, env=self.env)
+        # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
+        if self.store.put(record, keep_existing=keep_existing(record.meta)):
             self._counts["disk_writes"] += 1
 
     def stats(self) -> dict[str, Any]:
@@ -154,13 +181,14 @@ class Session:
         if request.device != self.device:
             raise BufferMismatchError(request.primary, "device", self.device, request.device)
         spec = request.spec()
-        plan = self.plan(spec)
         outputs = request.outputs(spec)
         buffers = {role: b for role, b in request.buffers.items() if b is not None}
-        plan.execute(stream=stream, **{**buffers, **outputs})
+        buffers.update(outputs)
+        plan = self.plan(spec, buffers=buffers if self.autotune_inputs == "request" else None)
+        plan.execute(stream=stream, **buffers)
         return request.result(outputs)
 
-    def _build(self, spec, key: str) -> Plan:
+    def _build(self, spec, key: str, buffers: dict | None = None) -> Plan:
         import cupy
 
         start = time.perf_counter()
@@ -168,18 +196,21 @@ class Session:
         with cupy.cuda.Device(self.device):
             for fused in ((True, False) if spec.has_epilogue and self.fuse else (not spec.has_epilogue,)):
                 try:
-                    build, parts = self._plan_build(spec, fused)
+                    build, parts = self._plan_build(spec, fused, buffers)
                 except Exception as err:  # cuDNN declines with several exception types
                     failures.append(f"{'fused' if fused else 'unfused'}: {err}")
                     log.info("no plan for %s (%s): %s", spec.op, "fused" if fused else "unfused", err)
                     continue
                 return self._new_plan(spec, key, fused=build.fused, parts=parts, intermediates=build.intermediates,
-                                      acc_dtype=_acc_dtype(build), build_ms=(time.perf_counter() - start) * 1e3)
+                                      acc_dtype=_acc_dtype(build), build_ms=(time.perf_counter() - start) * 1e3,
+                                      chosen_by="autotune" if self.policy == "autotune" else "heuristics")
         raise UnsupportedGraphError(spec, " | ".join(failures))
 
-    def _new_plan(self, spec, key: str, *, fused: bool, parts: tuple, intermediates: dict, acc_dtype, build_ms: float):
+    def _new_plan(self, spec, key: str, *, fused: bool, parts: tuple, intermediates: dict, acc_dtype, build_ms: float,
+                  chosen_by: str = "heuristics"):
         return Plan(spec=spec, signature=key, device=self.device, fused=fused, parts=parts,
-                    intermediates=intermediates, handles=self.handles, acc_dtype=acc_dtype, build_ms=build_ms)
+                    intermediates=intermediates, handles=self.handles, acc_dtype=acc_dtype, build_ms=build_ms,
+                    chosen_by=chosen_by)
 
     def _restore_part(self, spec, meta: dict, i: int, entry: dict, blobs: list, intermediates: dict):
         """(part, how) for part `i` of a stored plan: "disk" when its blob loaded, "knobs" when rebuilt."""
@@ -194,16 +225,16 @@ class Session:
                 log.warning("%s: stored plan did not load (%s); rebuilding from engine id + knobs", entry["engine"], err)
         if graph is None:
             graph, index, how = *self._rebuild_from_knobs(spec, meta, i, entry), "knobs"
-        rank = entry.get("heuristic_index")
+        rank, modes = entry.get("heuristic_index"), tuple(entry.get("heuristic_modes", ("A", "FALLBACK")))
         part = PlannedPart(
             name=entry["name"], graph=graph, roles=tuple(entry["roles"]), index=index, engine=entry["engine"],
             engine_id=int(entry["engine_id"]), knobs=dict(entry["knobs"]),
             behavior_notes=tuple(entry["behavior_notes"]), workspace_size=int(entry["workspace_size"]),
             scalars=_scalar_arrays(spec, {int(uid): v for uid, v in entry["scalars"]}),
             nondeterministic_excluded=bool(entry["nondeterministic_excluded"]), heuristic_index=rank,
-            notes=_stored_notes(entry),
+            heuristic_modes=modes, tuning=entry.get("tuning"), notes=_stored_notes(entry),
             notes_source=None if rank is None else self._notes_source(spec, bool(meta["fused"]), meta.get("acc_dtype"),
-                                                                       i, rank, entry["engine"]),
+                                                                       i, rank, entry["engine"], modes),
         )
         return part, how
 
@@ -222,35 +253,41 @@ class Session:
                 raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
         return g, index
 
-    def _plan_build(self, spec, fused: bool):
+    def _plan_build(self, spec, fused: bool, buffers: dict | None = None):
         """Plan every graph of a build; an unfused epilogue cuDNN cannot plan becomes our kernel."""
         acc_dtype = None
         build = build_graph(spec, fused=fused, handle=self.handle)
         try:
-            conv = self._plan_part(build, 0, acc_dtype)
+            conv = self._plan_part(build, 0, acc_dtype, buffers)
         except Exception:
             if fused or "acc" not in build.intermediates:
                 raise
             # No engine writes the conv in compute precision: let it write the io dtype, as PyTorch does.
             acc_dtype = spec.dtype
             build = build_graph(spec, fused=False, handle=self.handle, acc_dtype=acc_dtype)
-            conv = self._plan_part(build, 0, acc_dtype)
+            conv = self._plan_part(build, 0, acc_dtype, buffers)
         parts = [conv]
         for i, part in enumerate(build.parts[1:], start=1):
             try:
-                parts.append(self._plan_part(build, i, acc_dtype))
+                parts.append(self._plan_part(build, i, acc_dtype, buffers))
             except Exception as err:  # standalone pointwise graphs do not plan on cuDNN 9.19
                 log.info("%s: no cuDNN plan (%s); using the fallback kernel", part.name, err)
                 parts.append(_kernel_part(spec, part.name, build.intermediates, self.device))
         return build, tuple(parts)
 
-    def _plan_part(self, build, i: int, acc_dtype: str | None) -> PlannedPart:
+    def _plan_part(self, build, i: int, acc_dtype: str | None, buffers: dict | None = None) -> PlannedPart:
         spec, part = build.spec, build.parts[i]
         g = part.graph
         g.build_operation_graph()
-        self._rank_plans(g, spec)
+        modes = ("A", "B", "FALLBACK") if self.policy == "autotune" else ("A", "FALLBACK")
+        self._rank_plans(g, spec, modes)
         g.check_support()
-        index = _build_first(g)
+        tuned = None
+        if self.policy == "autotune":
+            tuned = self._tune(build, i, g, buffers)
+            index = tuned.index
+        else:
+            index = _build_first(g)
         engine_id, knobs = g.get_engine_and_knobs_at_index(index)
         engine = g.get_plan_name_at_index(index)
 
@@ -260,21 +297,62 @@ class Session:
             behavior_notes=tuple(str(n).rsplit(".", 1)[-1] for n in g.get_behavior_notes_for_plan_at_index(index)),
             workspace_size=int(g.get_workspace_size_plan_at_index(index)),
             scalars=_scalar_arrays(spec, part.scalars),
-            nondeterministic_excluded=self.deterministic, heuristic_index=index,
-            notes_source=self._notes_source(spec, build.fused, acc_dtype, i, index, engine),
+            nondeterministic_excluded=self.deterministic, heuristic_index=index, heuristic_modes=modes,
+            tuning=None if tuned is None else _tuning_meta(tuned, self.autotune_inputs if buffers else "scratch"),
+            notes_source=self._notes_source(spec, build.fused, acc_dtype, i, index, engine, modes),
         )
 
-    def _notes_source(self, spec, fused: bool, acc_dtype, i: int, index: int, engine: str):
+    def _tune(self, build, i: int, g, buffers: dict | None):
+        """Time every candidate of part `i` (see `autotune`) on random scratch buffers or the caller's."""
+        import cupy
+
+        part, owners, ws = build.parts[i], [], [None]
+        descs = {**build.spec.tensors(), **build.intermediates}
+        stream_ptr = cupy.cuda.get_current_stream().ptr
+        handle = self.handle
+
+        def make_buffers():
+            ptrs = {}
+            for n, role in enumerate(part.roles):
+                given = (buffers or {}).get(role) if role not in build.intermediates else None
+                owner, ptr = (given, _pointer(given)) if given is not None else \
+                    autotune.random_fill(descs[role], device=self.device, seed=n + 1)
+                owners.append(owner)
+                ptrs[role] = ptr
+            return ptrs, workspace
+
+        def workspace(nbytes: int) -> int:  # one allocation, grown to the largest candidate's need
+            if nbytes == 0:
+                return 0
+            if ws[0] is None or ws[0].size < nbytes:
+                ws[0] = cupy.cuda.alloc(nbytes)
+            return ws[0].ptr
+
+        def make_call(index: int, ptrs: dict, ws_ptr: int):
+            trial = PlannedPart(name=part.name, graph=g, roles=part.roles, index=index, engine="", engine_id=0,
+                                knobs={}, behavior_notes=(), workspace_size=0,
+                                scalars=_scalar_arrays(build.spec, part.scalars))
+            call = trial.executor(trial.prepare(ptrs), ws_ptr, stream_ptr, handle)
+            return functools.partial(_run_keeping, call, trial.scalars)
+
+        frontend.cudnn().set_stream(handle, stream_ptr)
+        tuned = autotune.tune_part(g, buffers=make_buffers, make_call=make_call, limit=self.autotune_limit,
+                                   stream_ptr=stream_ptr)
+        self._counts["timings"] += sum(r.median_ms is not None for r in tuned.table)
+        return tuned
+
+    def _notes_source(self, spec, fused: bool, acc_dtype, i: int, index: int, engine: str,
+                      modes: tuple[str, ...] = ("A", "FALLBACK")):
         """A call that probes part `i`'s numerical notes on a fresh copy of its graph."""
         def fresh_graph():
             return build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype).parts[i].graph
 
-        return functools.partial(notes.probe, fresh_graph, index=index, engine=engine)
+        return functools.partial(notes.probe, fresh_graph, index=index, engine=engine, modes=modes)
 
-    def _rank_plans(self, g, spec) -> None:
-        """Heuristics A then FALLBACK, minus what this session's settings rule out."""
+    def _rank_plans(self, g, spec, modes: tuple[str, ...] = ("A", "FALLBACK")) -> None:
+        """Heuristics `modes` in order, minus what this session's settings rule out."""
         fe = frontend.cudnn()
-        g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.FALLBACK])
+        g.create_execution_plans([getattr(fe.heur_mode, m) for m in modes])
         if self.deterministic:
             g.deselect_numeric_notes([fe.numerical_note.NONDETERMINISTIC])
         if spec.dtype == dtypes.FLOAT32 and not (spec.allow_tf32 and self.allow_tf32):
@@ -293,6 +371,28 @@ def _build_first(g) -> int:
         except Exception as err:  # a declined engine: try the next one
             errors.append(f"[{index}] {err}")
     raise RuntimeError("no execution plan could be built: " + ("; ".join(errors[-3:]) or "empty plan list"))
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {list(choices)}")
+
+
+def _pointer(buffer: Any) -> int:
+    from ..execute.buffers import describe
+
+    return describe(buffer, "autotune").ptr
+
+
+def _run_keeping(call, scalars) -> None:  # `scalars` rides along: cuDNN reads them through host pointers
+    call()
+
+
+def _tuning_meta(tuned, inputs: str) -> dict:
+    """The timing table a record keeps: every candidate's engine, knobs, median and workspace."""
+    return {"candidates": [row.to_dict() for row in tuned.table], "winner": tuned.index,
+            "heuristic_choice": tuned.heuristic_index, "tune_ms": round(tuned.tune_ms, 3), "inputs": inputs,
+            "samples": autotune.SAMPLES, "warmup": autotune.WARMUP}
 
 
 def _scalar_arrays(spec, values: dict[int, float]) -> dict[int, np.ndarray]:

@@ -1,0 +1,62 @@
+"""Which record wins, which records belong to this machine, and whether a stored plan still loads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..environment import Environment
+
+AUTOTUNE = "autotune"
+HEURISTICS = "heuristics"
+# Session flags ride in the fingerprint too, but a record built under other flags is still for this machine.
+_SESSION_FLAGS = ("deterministic", "allow_tf32")
+
+
+def rank(meta: dict) -> int:
+    """How a record's plan was chosen, as a precedence: an autotuned plan outranks a heuristic one."""
+    return 1 if meta.get("chosen_by") == AUTOTUNE else 0
+
+
+def keep_existing(new_meta: dict):
+    """For `PlanStore.put(keep_existing=...)`: keep the stored record when it outranks the new one."""
+    def keep(old) -> bool:
+        return rank(old.meta) > rank(new_meta)
+
+    return keep
+
+
+def machine_fields(env: dict) -> dict:
+    """The hardware and library part of an environment dict (without the session flags)."""
+    return {k: v for k, v in env.items() if k not in _SESSION_FLAGS}
+
+
+def for_machine(meta: dict, env: Environment) -> bool:
+    """True when a record was made on a machine like this one (GPU, SM count, cuDNN, FE, CUDA versions)."""
+    stored = meta.get("environment")
+    return isinstance(stored, dict) and machine_fields(stored) == machine_fields(env.to_dict())
+
+
+def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -> tuple[str, str]:
+    """(status, detail) of loading `record` on GPU `device`: "loads", "rebuilt" (a blob did not load but
+    its engine id + knobs did), "foreign" (made on another kind of machine), or "unusable" (a session
+    would build anew). `sessions` memoises one memory-only session per set of session flags."""
+    from ..environment import environment
+    from ..plan import Session
+    from .records import _spec_of, load_plan
+
+    spec = _spec_of(record.meta)
+    if spec is None:
+        return "unusable", "spec not readable by this version of cudnn-graphs"
+    if not for_machine(record.meta, environment(device)):
+        return "foreign", "recorded on another GPU or with other cuDNN/CUDA versions"
+    flags = {k: bool(record.meta["environment"].get(k)) for k in _SESSION_FLAGS}
+    sessions = {} if sessions is None else sessions
+    session = sessions.get(tuple(flags.items()))
+    if session is None:
+        session = sessions[tuple(flags.items())] = Session(device=device, cache=False, **flags)
+    outcome = load_plan(record, spec=spec, session=session)
+    if outcome is None:
+        return "unusable", "does not load (the log says why)"
+    if outcome.path != "disk":
+        return "rebuilt", "a stored blob did not load; rebuilt from its engine id + knobs"
+    return "loads", ", ".join(outcome.plan.engines)

@@ -1,0 +1,495 @@
+"""`cudnn-graphs cache ...`: list, summarise, check, trim, clear and share (export/import) the on-disk plan cache.
+
+Exit status: 0 done; 1 the command found problems (corrupt or unusable records, a corrupt bundle, records that
+could not be written); 2 usage or configuration errors (bad paths, `--load` without a GPU, `clear` refused).
+Looking at the cache (`ls`, `stats`, `verify`, `export`) never counts as a use of its records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import time
+from collections import Counter
+from typing import Any, NamedTuple
+
+from plan_cache import PlanRecord, PlanStore
+from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
+from plan_cache.errors import CorruptRecordError
+from plan_cache.record import MAX_RECORD_BYTES, decode
+
+from . import config
+from .cache.policy import for_machine, keep_existing, verify_load
+from .environment import NO_GPU, environment
+from .errors import CudnnGraphsError
+from .spec import SPEC_TYPES, spec_from_dict
+
+__all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
+
+_NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
+_SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
+_LOAD_STATUSES = ("loads", "rebuilt", "foreign", "unusable")
+_O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
+class _Exit(Exception):
+    """Stop the command: print `message` as `cudnn-graphs: <message>` and exit with `code`."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+# --- the parser ----------------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """`--max-bytes`: a byte count such as 1048576, 500M or 4G, parsed as $CUDNN_GRAPHS_CACHE_MAX_BYTES is."""
+    try:
+        return config.parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_cache_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `cache` command and its subcommands to `subparsers` (from `ArgumentParser.add_subparsers`)."""
+    cache = subparsers.add_parser("cache", help="list, check, trim, clear, export and import cached plans",
+                                  description="Inspect and maintain the on-disk plan cache.")
+    _cache_option(cache, argparse.SUPPRESS)
+    common = argparse.ArgumentParser(add_help=False)
+    _cache_option(common, argparse.SUPPRESS)
+    subs = cache.add_subparsers(dest="cache_command", metavar="SUBCOMMAND", required=True)
+    ls = subs.add_parser("ls", parents=[common], help="one row per record, most recently used first")
+    ls.add_argument("--op", choices=sorted(SPEC_TYPES), help="only records of this op")
+    _json_option(ls)
+    _json_option(subs.add_parser("stats", parents=[common], help="totals by op, by chooser, by environment"))
+    verify = subs.add_parser("verify", parents=[common], help="check every record (and with a GPU, that it loads)")
+    verify.add_argument("--load", action=argparse.BooleanOptionalAction, default=None,
+                        help="also load each plan on the GPU (default: when a GPU and cuDNN are present)")
+    _device_option(verify)
+    _json_option(verify)
+    prune = subs.add_parser("prune", parents=[common], help="evict least recently used records down to a size")
+    prune.add_argument("--max-bytes", type=parse_size, required=True, metavar="N",
+                       help="bytes to keep, or with a K/M/G/T suffix (500M)")
+    clear = subs.add_parser("clear", parents=[common], help="remove every record")
+    clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    export = subs.add_parser("export", parents=[common], help="write records to one portable bundle file")
+    export.add_argument("file", help="bundle file to write")
+    export.add_argument("--key", dest="keys", action="append", metavar="KEY",
+                        help="only this record (a key or a unique prefix of one, as `ls` shows); repeatable")
+    imp = subs.add_parser("import", parents=[common], help="merge a bundle's records into the cache")
+    imp.add_argument("file", help="bundle file to read")
+    imp.add_argument("--all", action="store_true",
+                     help="import records made for any environment, not only for this machine")
+    _device_option(imp)
+    return cache
+
+
+def _cache_option(parser: argparse.ArgumentParser, default: Any) -> None:
+    # SUPPRESS on both levels: `cache --cache D ls` and `cache ls --cache D` both work, neither resets the other.
+    parser.add_argument("--cache", metavar="DIR", default=default,
+                        help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user cache dir)")
+
+
+def _json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _device_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Run the parsed `cache` subcommand; the exit status."""
+    try:
+        store = _open_store(getattr(args, "cache", None))
+        return _COMMANDS[args.cache_command](store, args)
+    except CorruptBundleError as err:
+        return _fail(f"{err}; nothing imported", 1)
+    except _Exit as err:
+        return _fail(str(err), err.code)
+    except (CudnnGraphsError, OSError) as err:
+        return _fail(str(err), 2)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"cudnn-graphs: {message}", file=sys.stderr)
+    return code
+
+
+def _open_store(root: str | None) -> PlanStore:
+    path = config.cache_dir() if root is None else root
+    return PlanStore(path, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH)
+
+
+# --- reading records without side effects --------------------------------------------------------------------
+
+class _Row(NamedTuple):
+    key: str
+    size: int
+    used: float  # last use: the file's mtime
+    record: PlanRecord | None
+    error: str | None  # why the record is unreadable
+
+
+def _rows(store: PlanStore) -> list[_Row]:
+    """Every record, most recently used first. Read-only: no touch, no quarantine (unlike `store.get`)."""
+    rows = [row for row in (_peek(store, key) for key in store.keys()) if row is not None]
+    return sorted(rows, key=lambda r: r.used, reverse=True)
+
+
+def _peek(store: PlanStore, key: str) -> _Row | None:
+    path = store.path_of(key)
+    try:
+        fd = os.open(path, _O_FLAGS)
+    except FileNotFoundError:  # evicted since keys() listed it
+        return None
+    except OSError as err:
+        return _Row(key, 0, 0.0, None, f"cannot open: {err.strerror}")
+    with os.fdopen(fd, "rb") as file:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
+            return _Row(key, st.st_size, st.st_mtime, None, "not a regular record file")
+        data = file.read()
+    try:
+        return _Row(key, st.st_size, st.st_mtime, decode(data, expected_key=key).record, None)
+    except CorruptRecordError as err:
+        return _Row(key, st.st_size, st.st_mtime, None, err.reason)
+
+
+def _dig(data: Any, *path: str) -> Any:
+    """data[path[0]][path[1]]..., or None where a level is missing or not a dict: meta may come from anywhere."""
+    for name in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(name)
+    return data
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _stamp(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _parts(meta: dict) -> list[dict]:
+    parts = meta.get("parts")
+    return [p for p in parts if isinstance(p, dict)] if isinstance(parts, list) else []
+
+
+def _shapes(spec: Any) -> dict[str, list]:
+    out = {}
+    for name, label in _SHAPE_FIELDS:
+        shape = _dig(spec, name)
+        if isinstance(shape, list) and all(isinstance(n, int) for n in shape):
+            out[label] = shape
+    return out
+
+
+def _workspace(parts: list[dict]) -> int | None:
+    sizes = [p["workspace_size"] for p in parts if isinstance(p.get("workspace_size"), int)]
+    return max(sizes) if sizes else None  # parts run one after another: the plan needs the largest
+
+
+def _env_label(env: Any) -> str:
+    if not isinstance(env, dict):
+        return "unknown environment"
+    gpu = _text(env.get("gpu_name")) or "?"
+    return f"{gpu}, cuDNN {_cudnn_version(env.get('cudnn_backend_version'))}"
+
+
+def _cudnn_version(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 90000:  # cuDNN 9: 91900 is 9.19.0
+        return f"{value // 10000}.{value // 100 % 100}.{value % 100}"
+    return "?" if value is None else str(value)
+
+
+def _summary(row: _Row) -> dict[str, Any]:
+    """What `ls --json` prints for a row; every field None where the record does not say."""
+    meta = row.record.meta if row.record is not None else {}
+    parts = _parts(meta)
+    return {"key": row.key, "status": "ok" if row.error is None else "unreadable", "error": row.error,
+            "op": _text(_dig(meta, "spec", "op")), "dtype": _text(_dig(meta, "spec", "dtype")),
+            "shapes": _shapes(meta.get("spec")), "chosen_by": _text(meta.get("chosen_by")),
+            "engines": [_text(p.get("engine")) or "?" for p in parts], "workspace_bytes": _workspace(parts),
+            "size_bytes": row.size, "created": _stamp(meta.get("created")), "last_used": row.used,
+            "environment": _env_label(meta["environment"]) if "environment" in meta else None}
+
+
+# --- formatting ----------------------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list[Any]], *, right: tuple[int, ...] = ()) -> str:
+    """Columns padded to their widest cell, two spaces apart; columns in `right` right-aligned."""
+    cells = [header] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _age(stamp: float | None, now: float) -> str:
+    """'45s', '3m', '2h', '5d': how long ago `stamp` was."""
+    if stamp is None:
+        return "-"
+    seconds = max(0.0, now - stamp)
+    for limit, unit_seconds, unit in ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h")):
+        if seconds < limit:
+            return f"{int(seconds // unit_seconds)}{unit}"
+    return f"{int(seconds // 86400)}d"
+
+
+def _ago(stamp: float | None, now: float) -> str:
+    return "-" if stamp is None else f"{_age(stamp, now)} ago"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _dump(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+# --- ls, stats -----------------------------------------------------------------------------------------------
+
+def _ls(store: PlanStore, args) -> int:
+    summaries = [_summary(row) for row in _rows(store)]
+    if args.op is not None:
+        summaries = [s for s in summaries if s["op"] == args.op]
+    if args.json:
+        _dump(summaries)
+        return 0
+    if not summaries:
+        print(f"no plan records in {store.root}")
+        return 0
+    now = time.time()
+    header = ["KEY", "OP", "DTYPE", "SHAPES", "CHOSEN", "ENGINES", "WORKSPACE", "SIZE", "CREATED", "USED"]
+    print(_table(header, [_ls_cells(s, now) for s in summaries], right=(6, 7, 8, 9)))
+    total = sum(s["size_bytes"] for s in summaries)
+    print(f"\n{_plural(len(summaries), 'record')}, {human_bytes(total)} in {store.root}")
+    return 0
+
+
+def _ls_cells(s: dict, now: float) -> list[Any]:
+    shapes = " ".join(f"{label}={'x'.join(map(str, shape))}" for label, shape in s["shapes"].items())
+    if s["status"] != "ok":
+        return [s["key"][:16], "unreadable", None, None, None, _clip(s["error"], 48), None,
+                human_bytes(s["size_bytes"]), None, _age(s["last_used"], now)]
+    return [s["key"][:16], s["op"] or "?", s["dtype"], shapes or None, s["chosen_by"],
+            _clip("+".join(s["engines"]), 48) or None, human_bytes(s["workspace_bytes"]),
+            human_bytes(s["size_bytes"]), _age(s["created"], now), _age(s["last_used"], now)]
+
+
+def _stats(store: PlanStore, args) -> int:
+    info = _stats_info(store)
+    if args.json:
+        _dump(info)
+        return 0
+    now = time.time()
+    cap = info["max_bytes"]
+    share = f", {100 * info['total_bytes'] / cap:.0f}% of it" if cap else ""
+    print(_table(["CACHE", str(store.root)], [
+        ["entries", f"{info['entries']}" + (f" ({info['unreadable']} unreadable)" if info["unreadable"] else "")],
+        ["size", f"{human_bytes(info['total_bytes'])} (cap {human_bytes(cap) if cap else 'none'}{share})"],
+        ["created", f"oldest {_ago(info['oldest_created'], now)}, newest {_ago(info['newest_created'], now)}"],
+        ["last used", f"least recently {_ago(info['least_recently_used'], now)}, "
+                      f"most recently {_ago(info['most_recently_used'], now)}"],
+    ]))
+    for title, field in (("OP", "by_op"), ("CHOSEN BY", "by_chosen_by"), ("ENVIRONMENT", "by_environment")):
+        counts = sorted(info[field].items(), key=lambda item: (-item[1], item[0]))
+        print("\n" + _table([title, "ENTRIES"], [list(item) for item in counts], right=(1,)))
+    return 0
+
+
+def _stats_info(store: PlanStore) -> dict[str, Any]:
+    summaries = [_summary(row) for row in _rows(store)]
+    readable = [s for s in summaries if s["status"] == "ok"]
+    counts = store.stats()
+    created = [s["created"] for s in readable if s["created"] is not None]
+    used = [s["last_used"] for s in summaries]
+    return {"cache": str(store.root), "entries": counts["entries"], "total_bytes": counts["total_bytes"],
+            "max_bytes": store.max_bytes, "unreadable": len(summaries) - len(readable),
+            "by_op": dict(Counter(s["op"] or "?" for s in readable)),
+            "by_chosen_by": dict(Counter(s["chosen_by"] or "?" for s in readable)),
+            "by_environment": dict(Counter(s["environment"] or "unknown environment" for s in readable)),
+            "oldest_created": min(created, default=None), "newest_created": max(created, default=None),
+            "least_recently_used": min(used, default=None), "most_recently_used": max(used, default=None)}
+
+
+# --- verify --------------------------------------------------------------------------------------------------
+
+def _verify(store: PlanStore, args) -> int:
+    load = _want_load(args.load, args.device)
+    files = store.verify()
+    tally, problems, sessions = Counter(), [], {}
+    for key in sorted(store.keys()):
+        record = store.get(key)  # after verify(): a trusted, whole record, or None if it went meanwhile
+        if record is None:
+            continue
+        status, detail = _check_record(record, load, args.device, sessions)
+        tally[status] += 1
+        if status not in ("ok", "loads"):
+            problems.append({"key": key, "status": status, "detail": detail})
+    statuses = _LOAD_STATUSES if load else ("ok", "unusable")
+    records = {name: tally[name] for name in statuses}
+    bad = files["corrupt"] + files["untrusted"] + files["unreadable"] + records["unusable"]
+    if args.json:
+        _dump({"cache": str(store.root), "files": files, "load": load, "records": records, "problems": problems,
+               "ok": bad == 0})
+    else:
+        _print_verify(store, files, load, args.device, records, problems, bad)
+    return 1 if bad else 0
+
+
+def _want_load(flag: bool | None, device: int) -> bool:
+    """Whether to load plans: as asked, else when a GPU and cuDNN are present; asked without them is an error."""
+    if flag is False:
+        return False
+    env = environment(device)
+    if flag is None:
+        return env.has_gpu and env.cudnn_frontend_version != NO_GPU
+    if not env.has_gpu:
+        raise _Exit(f"--load needs a GPU and none is visible (device {device}); "
+                    "run `cache verify --no-load` to check files and specs only")
+    if env.cudnn_frontend_version == NO_GPU:
+        raise _Exit("--load needs the cuDNN frontend and `import cudnn` failed; "
+                    "run `cache verify --no-load` to check files and specs only")
+    return True
+
+
+def _check_record(record: PlanRecord, load: bool, device: int, sessions: dict) -> tuple[str, str]:
+    try:
+        spec_from_dict(record.meta.get("spec"))
+    except Exception as err:  # a record from another version of the library, or a synthetic one
+        return "unusable", f"spec not readable by this version of cudnn-graphs: {err}"
+    if not load:
+        return "ok", ""
+    try:
+        return verify_load(record, device=device, sessions=sessions)
+    except Exception as err:  # one bad record must not stop the check of the others
+        return "unusable", f"{type(err).__name__}: {err}"
+
+
+def _print_verify(store, files, load, device, records, problems, bad) -> None:
+    print(_table(["FILES", "COUNT"], [
+        ["ok", files["ok"]], ["corrupt (quarantined)", files["corrupt"]],
+        ["untrusted (quarantined)", files["untrusted"]], ["unreadable", files["unreadable"]],
+        ["stale temp files removed", files["removed_temp"]]], right=(1,)))
+    title = f"RECORDS (loaded on GPU {device})" if load else "RECORDS (specs only, not loaded)"
+    print("\n" + _table([title, "COUNT"], [[name, n] for name, n in records.items()], right=(1,)))
+    if problems:
+        rows = [[p["key"][:16], p["status"], _clip(p["detail"], 100)] for p in problems]
+        print("\n" + _table(["KEY", "STATUS", "DETAIL"], rows))
+    print(f"\n{store.root}: " + (f"{bad} problem(s) found" if bad else "no problems found"))
+
+
+# --- prune, clear --------------------------------------------------------------------------------------------
+
+def _prune(store: PlanStore, args) -> int:
+    before = store.stats()["total_bytes"]
+    removed = store.prune(args.max_bytes)
+    after = store.stats()["total_bytes"]
+    print(f"pruned {_plural(removed, 'record')}: {human_bytes(before)} -> {human_bytes(after)} "
+          f"(target {human_bytes(args.max_bytes)}) in {store.root}")
+    return 0
+
+
+def _clear(store: PlanStore, args) -> int:
+    count = len(store)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise _Exit(f"refusing to remove {_plural(count, 'record')} from {store.root} without --yes "
+                        "(standard input is not a terminal)")
+        if not _confirm(f"remove all {_plural(count, 'plan record')} from {store.root}? [y/N] "):
+            print("nothing removed")
+            return 1
+    print(f"removed {_plural(store.clear(), 'record')} from {store.root}")
+    return 0
+
+
+def _confirm(prompt: str) -> bool:
+    try:
+        return input(prompt).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+# --- export, import ------------------------------------------------------------------------------------------
+
+def _export(store: PlanStore, args) -> int:
+    keys = None if not args.keys else _resolve_keys(store, args.keys)
+    try:
+        count = export_bundle(store, args.file, keys=keys)
+    except KeyError as err:  # listed a moment ago, now evicted or found corrupt (and quarantined)
+        raise _Exit(f"{err.args[0]}; nothing exported", 1) from None
+    except OSError as err:
+        raise _Exit(f"cannot write {args.file}: {err.strerror or err}") from None
+    print(f"exported {_plural(count, 'record')} to {args.file} ({human_bytes(os.path.getsize(args.file))})")
+    return 0
+
+
+def _resolve_keys(store: PlanStore, wanted: list[str]) -> list[str]:
+    """Full keys for keys or unique key prefixes (as `ls` shows them), in order, without repeats."""
+    stored = sorted(store.keys())
+    out = []
+    for prefix in wanted:
+        matches = [prefix] if prefix in stored else [k for k in stored if k.startswith(prefix)]
+        if not matches:
+            raise _Exit(f"no record key starts with {prefix!r} in {store.root}")
+        if len(matches) > 1:
+            raise _Exit(f"key prefix {prefix!r} is ambiguous: {len(matches)} records start with it")
+        out.append(matches[0])
+    return list(dict.fromkeys(out))
+
+
+def _import(store: PlanStore, args) -> int:
+    env = None if args.all else environment(args.device)
+    accept = None if env is None else (lambda record: for_machine(record.meta, env))
+    try:
+        report = import_bundle(store, args.file, accept=accept, keep_existing=_keep)
+    except OSError as err:
+        raise _Exit(f"cannot read {args.file}: {err.strerror or err}") from None
+    print(_table(["IMPORT", "RECORDS"], [
+        ["imported", report.imported], ["skipped: made for another environment", report.skipped_rejected],
+        ["skipped: stored record kept (it was autotuned)", report.skipped_kept],
+        ["corrupt entries", report.corrupt], ["not written (the log says why)", report.failed]], right=(1,)))
+    if report.skipped_rejected:
+        print("\n" + _foreign_note(env))
+    return 1 if report.corrupt or report.failed else 0
+
+
+def _keep(new: PlanRecord, old: PlanRecord) -> bool:
+    return keep_existing(new.meta)(old)
+
+
+def _foreign_note(env) -> str:
+    if not env.has_gpu:
+        return (f"note: no GPU is visible here (gpu_name {NO_GPU!r}), so every record counts as made for another "
+                "environment; --all imports them anyway (to stage a cache for identical nodes)")
+    return (f"note: those records were made on another GPU or with other cuDNN/CUDA versions than this "
+            f"{env.gpu_name}; --all imports them anyway")
+
+
+_COMMANDS = {"ls": _ls, "stats": _stats, "verify": _verify, "prune": _prune, "clear": _clear,
+             "export": _export, "import": _import}

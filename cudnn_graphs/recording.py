@@ -1,0 +1,106 @@
+"""Record mode: every spec the program plans is appended to a spec file, once.
+
+Run a job once under `with cudnn_graphs.record("specs.jsonl"):` (or with $CUDNN_GRAPHS_RECORD set),
+then `cudnn-graphs warmup specs.jsonl` fills the cache before every later job. Lines are JSON of
+`spec.to_dict()` (versioned by its "schema" field); a spec already in the file is not written again,
+also when several processes of one job record into the same file at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from . import config
+
+_lock = threading.Lock()
+_active: list["Recorder"] = []
+_from_env: dict[str, "Recorder"] = {}
+
+
+class Recorder:
+    """Appends unseen specs to one JSON Lines file; knows what the file already holds."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path).expanduser()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._seen: set[str] = set()
+        self._loaded_size = -1
+
+    def note(self, spec) -> bool:
+        """Append `spec` unless the file already has it; True when a line was written."""
+        line = spec_line(spec)
+        if line in self._seen:
+            return False
+        import filelock
+
+        # One lock across processes: read what others appended, then append ours only if still new.
+        with filelock.FileLock(f"{self.path}.lock", timeout=30):
+            self._refresh()
+            if line in self._seen:
+                return False
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._seen.add(line)
+            self._loaded_size = self.path.stat().st_size
+        return True
+
+    def _refresh(self) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == self._loaded_size:
+            return
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            for text in f:
+                canonical = _canonical(text)
+                if canonical is not None:
+                    self._seen.add(canonical)
+        self._loaded_size = size
+
+
+def spec_line(spec) -> str:
+    """A spec's line in a spec file: canonical JSON, so equal specs give equal lines."""
+    return json.dumps(spec.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def _canonical(text: str) -> str | None:
+    text = text.strip()
+    if not text or text.startswith("#"):
+        return None
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except ValueError:  # a damaged line: warmup reports it; recording just does not match it
+        return None
+
+
+@contextlib.contextmanager
+def record(path: str | os.PathLike[str]) -> Iterator[Recorder]:
+    """Within the block, every spec any session plans (memory hits aside) is appended to `path`."""
+    recorder = Recorder(path)
+    with _lock:
+        _active.append(recorder)
+    try:
+        yield recorder
+    finally:
+        with _lock:
+            _active.remove(recorder)
+
+
+def note(spec) -> None:
+    """Called by sessions for each spec they plan: hands it to every active recorder."""
+    recorders = list(_active)
+    target = config.record_path()
+    if target is not None:
+        with _lock:
+            recorder = _from_env.get(target) or _from_env.setdefault(target, Recorder(target))
+        recorders.append(recorder)
+    for recorder in recorders:
+        recorder.note(spec)

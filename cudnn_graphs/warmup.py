@@ -1,0 +1,162 @@
+"""`cudnn-graphs warmup`: plan specs ahead of a job so its first step finds every plan on disk."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .errors import CudnnGraphsError, SpecError, UnsupportedGraphError
+from .spec import spec_from_dict
+
+OUTCOMES = ("cached", "built", "autotuned", "unsupported", "failed")
+
+
+@dataclass
+class SpecSource:
+    """Where a spec came from, for messages: a file and line, or a preset."""
+
+    where: str
+    spec: Any
+
+
+@dataclass
+class Summary:
+    counts: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0.0))
+    problems: list = field(default_factory=list)  # (where, outcome, message)
+
+    def add(self, outcome: str, seconds: float, where: str = "", message: str = "") -> None:
+        self.counts[outcome] += 1
+        self.seconds[outcome] += seconds
+        if message:
+            self.problems.append((where, outcome, message))
+
+
+def collect(args) -> tuple[list[SpecSource], list[str]]:
+    """Distinct specs from the spec files then the preset, and one message per bad spec-file line."""
+    from .cli import _read_specs
+
+    sources: dict[Any, SpecSource] = {}
+    errors: list[str] = []
+    for path in args.specfile:
+        for _, number, data, error in _read_specs(path):
+            where = f"{path}:{number}"
+            try:
+                if error is not None:
+                    raise SpecError("line", number, error)
+                spec = spec_from_dict(data)
+            except CudnnGraphsError as err:
+                errors.append(f"{where}: {type(err).__name__}: {err}")
+                if args.strict:
+                    return list(sources.values()), errors
+                continue
+            sources.setdefault(spec, SpecSource(where, spec))
+    if args.preset:
+        from .presets import preset_specs
+
+        for spec in preset_specs(args.preset, batch=args.batch, dtype=args.dtype, layout=args.layout):
+            sources.setdefault(spec, SpecSource(f"preset {args.preset}", spec))
+    return list(sources.values()), errors
+
+
+def run_warmup(args) -> int:
+    if not args.specfile and not args.preset:
+        print("cudnn-graphs warmup: nothing to do: give spec files and/or --preset", file=sys.stderr)
+        return 2
+    sources, errors = collect(args)
+    for message in errors:
+        print(message, file=sys.stderr)
+    if args.strict and errors:
+        return 1
+    if args.dry_run:
+        _dry_run(sources, args)
+        return 1 if errors else 0
+    summary = _plan_all(sources, args)
+    _print_summary(summary, args, bad_lines=len(errors))
+    return 1 if errors or summary.counts["failed"] or summary.counts["unsupported"] else 0
+
+
+def _dry_run(sources: list[SpecSource], args) -> None:
+    from .environment import environment
+    from .signature import signature
+
+    env = environment(args.device)
+    for source in sources:
+        print(f"{signature(source.spec, env)[:16]}  {describe_spec(source.spec)}  ({source.where})")
+    print(f"{len(sources)} specs; signatures for {env.gpu_name}, cuDNN {env.cudnn_backend_version}", file=sys.stderr)
+
+
+def describe_spec(spec) -> str:
+    """One line: op, shapes, dtype, layout and epilogue."""
+    t = spec.tensors()
+    roles = {"conv_fwd": ("x", "w"), "conv_bwd_data": ("dy", "w"), "conv_bwd_filter": ("x", "dy")}[spec.op]
+    shapes = " ".join(f"{r}={'x'.join(map(str, t[r].shape))}" for r in roles)
+    extra = []
+    for name in ("bias", "residual", "bias_grad"):
+        if getattr(spec, name, False):
+            extra.append(name)
+    for name in ("activation", "activation_backward"):
+        act = getattr(spec, name, None)
+        if act is not None and not act.is_identity:
+            extra.append(act.name)
+    stride = f" s{spec.stride[0]}" if any(s != 1 for s in spec.stride) else ""
+    return f"{spec.op:16s} {shapes}{stride} {spec.dtype} {spec.layout}" + (f" +{'+'.join(extra)}" if extra else "")
+
+
+def _plan_all(sources: list[SpecSource], args) -> Summary:
+    from .plan import Session
+
+    session = Session(device=args.device, cache=args.cache, policy="autotune" if args.autotune else "heuristic",
+                      autotune_limit=args.autotune_limit)
+    if session.store is None:
+        raise CudnnGraphsError("the plan cache could not be opened (see the warning above); nothing would be kept")
+    summary = Summary()
+    for source in _progress(sources, args):
+        summary.add(*_plan_one(session, source))
+    return summary
+
+
+def _plan_one(session, source: SpecSource) -> tuple[str, float, str, str]:
+    before = session.stats()
+    start = time.perf_counter()
+    try:
+        session.plan(source.spec)
+    except UnsupportedGraphError as err:
+        return "unsupported", time.perf_counter() - start, source.where, f"{describe_spec(source.spec)}: {err}"
+    except Exception as err:  # one bad spec must not stop the warm-up of the rest
+        return "failed", time.perf_counter() - start, source.where, f"{describe_spec(source.spec)}: " \
+                                                                    f"{type(err).__name__}: {err}"
+    after = session.stats()
+    return _outcome(before, after), time.perf_counter() - start, "", ""
+
+
+def _outcome(before: dict, after: dict) -> str:
+    if after["autotuned"] > before["autotuned"]:
+        return "autotuned"
+    if after["builds"] > before["builds"] or after["rebuilds_from_heuristics"] > before["rebuilds_from_heuristics"]:
+        return "built"
+    return "cached"
+
+
+def _progress(items: list, args) -> Iterator:
+    if args.no_progress or not sys.stderr.isatty():
+        return iter(items)
+    from tqdm import tqdm
+
+    return iter(tqdm(items, desc="warmup", unit="spec", file=sys.stderr))
+
+
+def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
+    rows = [(name, summary.counts[name], f"{summary.seconds[name]:.2f}") for name in OUTCOMES]
+    total = (sum(summary.counts.values()), f"{sum(summary.seconds.values()):.2f}")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'outcome':{width}s}  {'specs':>5s}  {'seconds':>8s}")
+    for name, count, seconds in rows:
+        print(f"{name:{width}s}  {count:5d}  {seconds:>8s}")
+    print(f"{'total':{width}s}  {total[0]:5d}  {total[1]:>8s}")
+    if bad_lines:
+        print(f"{bad_lines} spec-file line(s) could not be read (listed above)")
+    for where, outcome, message in summary.problems:
+        print(f"{outcome}: {where}: {message}", file=sys.stderr)

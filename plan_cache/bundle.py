@@ -1,0 +1,159 @@
+"""Bundles: many plan records in one portable, self-checking file, for sharing tuning across identical nodes.
+
+A bundle file is a fixed 50-byte header followed by a msgpack payload (all integers little-endian):
+
+    offset  size  field
+    0       8     magic             b"CGBUNDL\\0"
+    8       2     format version    uint16, BUNDLE_VERSION
+    10      8     payload length    uint64, bytes that follow the header
+    18      32    checksum          sha256 over header bytes 0..17 and the payload
+    50      n     payload           msgpack map {"format": 1, "created": float, "records": [bin, ...]}
+
+Each entry of "records" is a whole record file as `plan_cache.record.encode` writes it, so every entry checks
+itself again on import: a bad outer check refuses the whole bundle before anything is written, a bad entry is
+counted and skipped. No pickle: plain msgpack, decoded with `raw=False, strict_map_key=True`, no extension types.
+Knows nothing of cuDNN: which records to accept and which stored record to keep are the caller's callbacks.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+import msgpack
+
+from . import record as record_mod
+from ._files import write_atomic
+from .errors import CorruptRecordError
+from .record import HEADER_SIZE, PlanRecord, check_frame, decode, encode, unpack_fields, validate_key
+
+__all__ = ["BUNDLE_MAGIC", "BUNDLE_VERSION", "HEADER_SIZE", "CorruptBundleError", "ImportReport", "export_bundle", "import_bundle",
+           "pack_bundle", "pack_frame", "unpack_bundle"]
+
+BUNDLE_MAGIC = b"CGBUNDL\0"
+BUNDLE_VERSION = 1
+_PAYLOAD_FIELDS = frozenset({"format", "created", "records"})
+
+
+class CorruptBundleError(CorruptRecordError):
+    """A bundle file failed its own check (magic, version, length, checksum or payload); nothing was imported."""
+
+    def __init__(self, reason: str, path: str | os.PathLike[str] | None = None):
+        super().__init__(reason)
+        self.path = None if path is None else os.fspath(path)
+        where = "" if self.path is None else f" {self.path!r}"
+        self.args = (f"corrupt plan bundle{where}: {reason}",)
+
+    def __reduce__(self):
+        return (type(self), (self.reason, self.path))
+
+
+class ImportReport(NamedTuple):
+    imported: int = 0
+    skipped_rejected: int = 0  # accept(record) said no: for instance, made for another environment
+    skipped_kept: int = 0  # keep_existing(new, old) kept the record already stored
+    corrupt: int = 0  # entries that failed their own check
+    failed: int = 0  # the store could not write them (disk full, over its cap; the store warned)
+
+
+# --- the format ----------------------------------------------------------------------------------------------
+
+def pack_bundle(entries: Iterable[bytes], *, created: float | None = None, version: int = BUNDLE_VERSION) -> bytes:
+    """The bytes of a bundle holding `entries` (encoded record files, as `plan_cache.record.encode` makes)."""
+    stamp = time.time() if created is None else float(created)
+    payload = msgpack.packb({"format": version, "created": stamp, "records": [bytes(e) for e in entries]},
+                            use_bin_type=True)
+    return pack_frame(payload, version=version)
+
+
+def pack_frame(payload: bytes, *, version: int = BUNDLE_VERSION) -> bytes:
+    """Header + payload, framed as a record file is (`plan_cache.record.pack_frame`) with the bundle's magic."""
+    return record_mod.pack_frame(payload, version=version, magic=BUNDLE_MAGIC)
+
+
+def unpack_bundle(data: bytes | bytearray | memoryview) -> list[bytes]:
+    """The encoded records in a bundle's bytes, after the outer check; any problem raises CorruptBundleError."""
+    payload = check_frame(memoryview(data), magic=BUNDLE_MAGIC, version=BUNDLE_VERSION, error=CorruptBundleError,
+                          what="cudnn-graphs plan bundle")
+    fields = unpack_fields(payload, _PAYLOAD_FIELDS, error=CorruptBundleError, what="plan bundle")
+    entries = fields["records"]
+    version = fields["format"]
+    if type(version) is not int or version != BUNDLE_VERSION:
+        raise CorruptBundleError(f"payload format {version!r}, this code reads {BUNDLE_VERSION}")
+    if not isinstance(fields["created"], float) or not isinstance(entries, list):
+        raise CorruptBundleError("payload fields have the wrong types")
+    if not all(isinstance(e, bytes) for e in entries):
+        raise CorruptBundleError("a record entry is not binary data")
+    return entries
+
+
+# --- export --------------------------------------------------------------------------------------------------
+
+def export_bundle(store, path: str | os.PathLike[str], *, keys: Iterable[str] | None = None) -> int:
+    """Write the records of `store` (all, or those under `keys`) to a bundle at `path`; how many were written.
+
+    Records are read with `store.get`, so corrupt or untrusted ones are never exported (the store quarantines
+    them). A key in `keys` with no readable record raises KeyError before anything is written. The file is
+    written atomically: readers see the old file or the whole new one.
+    """
+    wanted = None if keys is None else [validate_key(k) for k in keys]
+    entries = []
+    for key in (store.keys() if wanted is None else wanted):
+        record = store.get(key)
+        if record is None and wanted is not None:
+            raise KeyError(f"no readable record under key {key!r}")
+        if record is not None:  # evicted or found corrupt since keys() listed it
+            entries.append(encode(record))
+    target = Path(os.fspath(path))
+    temp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    write_atomic(target, pack_bundle(entries), temp=temp, mode=0o666)  # mode: the umask decides, as for any file
+    return len(entries)
+
+
+# --- import --------------------------------------------------------------------------------------------------
+
+def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[PlanRecord], bool] | None = None,
+                  keep_existing: Callable[[PlanRecord, PlanRecord], bool] | None = None) -> ImportReport:
+    """Merge the records of the bundle at `path` into `store`.
+
+    `accept(record)`: False skips the record (counted in `skipped_rejected`). `keep_existing(new, old)`: asked
+    about a record already stored under the same key; True keeps the stored one (counted in `skipped_kept`);
+    None replaces it. Raises OSError when the file cannot be read and CorruptBundleError when it fails its
+    outer check; in both cases nothing is written. An entry that fails its own check is counted in `corrupt`.
+    """
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        entries = unpack_bundle(data)
+    except CorruptBundleError as err:
+        raise CorruptBundleError(err.reason, path) from None
+    counts = dict.fromkeys(ImportReport._fields, 0)
+    for entry in entries:
+        counts[_import_one(store, entry, accept, keep_existing)] += 1
+    return ImportReport(**counts)
+
+
+def _import_one(store, entry: bytes, accept, keep_existing) -> str:
+    """Which `ImportReport` field this entry counts in, after putting it when it belongs."""
+    try:
+        record = decode(entry).record  # checks the entry's own checksum; PlanRecord validates the key
+    except CorruptRecordError:
+        return "corrupt"
+    if accept is not None and not accept(record):
+        return "skipped_rejected"
+    if keep_existing is None:
+        return "imported" if store.put(record) else "failed"
+    kept = False
+
+    def keep(old: PlanRecord) -> bool:
+        nonlocal kept
+        kept = bool(keep_existing(record, old))
+        return kept
+
+    if store.put(record, keep_existing=keep):
+        return "imported"
+    return "skipped_kept" if kept else "failed"

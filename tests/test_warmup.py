@@ -1,0 +1,146 @@
+"""CPU: the warmup command's parsing, dry run, spec-file errors, presets, and record mode."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+
+import cudnn_graphs as cg
+from cudnn_graphs import config, presets, recording, signature
+from cudnn_graphs.cli import main
+
+
+def test_help_lists_warmup(capsys):
+    with pytest.raises(SystemExit):
+        main(["warmup", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--preset", "--autotune", "--dry-run", "--strict", "--cache", "--device", "--batch", "--layout"):
+        assert flag in out
+
+
+def test_nothing_to_do_is_a_usage_error(capsys):
+    assert main(["warmup"]) == 2
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def test_dry_run_of_the_preset_prints_every_spec_with_its_signature(capsys):
+    assert main(["warmup", "--preset", "resnet50", "--dry-run", "--batch", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    specs = presets.preset_specs("resnet50", batch=8)
+    assert len(lines) == len(specs) == 69
+    for line, spec in zip(lines, specs):
+        assert line.startswith(signature(spec)[:16]) and spec.op in line
+
+
+def test_resnet50_preset_is_its_layer_list():
+    layers = presets.resnet_layers("resnet50")
+    assert len(layers) == 53  # 1 stem + 16 blocks x 3 + 4 projections
+    assert sum(layer.residual for layer in layers) == 16 and sum(not layer.relu for layer in layers) == 4
+    specs = presets.preset_specs("resnet50", batch=32)
+    ops = [s.op for s in specs]
+    assert ops.count("conv_fwd") == 24 and ops.count("conv_bwd_data") == 22 and ops.count("conv_bwd_filter") == 23
+    stem = specs[0]
+    assert stem.x_shape == (32, 3, 224, 224) and stem.w_shape == (64, 3, 7, 7) and stem.stride == (2, 2)
+    assert stem.padding == ((3, 3), (3, 3)) and stem.layout == "channels_last" and stem.dtype == "float16"
+    projections = [s for s in specs if s.op == "conv_fwd" and s.activation.is_identity]
+    assert [(s.x_shape[1], s.w_shape[0], s.stride[0]) for s in projections] == \
+        [(64, 256, 1), (256, 512, 2), (512, 1024, 2), (1024, 2048, 2)]
+    assert all(s.bias and not s.residual for s in projections)
+    assert sum(s.residual for s in specs if s.op == "conv_fwd") == 4  # one expanding 1x1 shape per stage
+    assert all(s.bias_grad for s in specs if s.op == "conv_bwd_filter")
+    assert all(s.activation_backward.name == "relu" for s in specs if s.op == "conv_bwd_data")
+    assert not any(s.op == "conv_bwd_data" and s.dx_shape[1] == 3 for s in specs)  # the image needs no gradient
+
+
+@pytest.mark.parametrize("name, convs", [("resnet18", 20), ("resnet34", 36), ("resnet101", 104), ("resnet152", 155)])
+def test_other_resnets_have_their_conv_counts(name, convs):
+    assert len(presets.resnet_layers(name)) == convs
+
+
+def test_unknown_preset_and_bad_batch():
+    with pytest.raises(cg.SpecError, match="preset"):
+        presets.preset_specs("vgg")
+    with pytest.raises(cg.SpecError, match="batch"):
+        presets.preset_specs("resnet50", batch=0)
+
+
+def _spec_file(tmp_path):
+    good = cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=1, bias=True, activation="relu")
+    lines = [json.dumps(good.to_dict()), "{broken", json.dumps({"schema": 99, "op": "conv_fwd"}),
+             json.dumps(good.to_dict()), json.dumps(good.replace(stride=2).to_dict())]
+    path = tmp_path / "specs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path, good
+
+
+def test_spec_file_errors_name_file_and_line_and_the_rest_still_runs(tmp_path, capsys):
+    path, good = _spec_file(tmp_path)
+    assert main(["warmup", str(path), "--dry-run"]) == 1
+    captured = capsys.readouterr()
+    assert f"{path}:2: SpecError" in captured.err and "not JSON" in captured.err
+    assert f"{path}:3: SpecError" in captured.err and "schema" in captured.err
+    out = captured.out.splitlines()
+    assert len(out) == 2 and out[0].startswith(signature(good)[:16])  # line 4 repeats line 1: planned once
+    assert out[0].endswith(f"({path}:1)") and out[1].endswith(f"({path}:5)")
+
+
+def test_strict_stops_at_the_first_bad_line(tmp_path, capsys):
+    path, _ = _spec_file(tmp_path)
+    assert main(["warmup", str(path), "--dry-run", "--strict"]) == 1
+    captured = capsys.readouterr()
+    assert f"{path}:2:" in captured.err and f"{path}:3:" not in captured.err and captured.out == ""
+
+
+def test_record_mode_writes_each_spec_once(tmp_path):
+    path = tmp_path / "rec" / "specs.jsonl"
+    a = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    b = a.replace(stride=2)
+    with cg.record(path) as recorder:
+        recording.note(a)
+        recording.note(b)
+        recording.note(a)
+        assert recorder.note(b) is False
+    recording.note(a.replace(groups=2, w_shape=(4, 2, 3, 3)))  # outside the block: not recorded
+    with cg.record(path):  # a second run: what the file holds is not appended again
+        recording.note(b)
+    lines = path.read_text().splitlines()
+    assert [cg.spec_from_dict(json.loads(line)) for line in lines] == [a, b]
+
+
+def test_record_variable_and_warmup_reads_the_file(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "env.jsonl"
+    monkeypatch.setenv(config.RECORD, str(path))
+    spec = cg.ConvBwdDataSpec((1, 4, 8, 8), (4, 4, 3, 3), (1, 4, 8, 8), padding=1)
+    recording.note(spec)
+    recording.note(spec)
+    assert len(path.read_text().splitlines()) == 1
+    monkeypatch.delenv(config.RECORD)
+    assert main(["warmup", str(path), "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith(signature(spec)[:16])
+
+
+def test_record_variable_naming_a_directory_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(config.RECORD, str(tmp_path))
+    with pytest.raises(cg.ConfigError) as err:
+        recording.note(cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3)))
+    assert err.value.variable == config.RECORD
+
+
+def _record_many(path, n):
+    for stride in range(1, n + 1):
+        recording.Recorder(path).note(cg.ConvFwdSpec((1, 4, 16, 16), (4, 4, 3, 3), stride=stride))
+
+
+def test_processes_recording_into_one_file_never_duplicate(tmp_path):
+    path = tmp_path / "shared.jsonl"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(str(path), 6)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(set(lines)) == 6

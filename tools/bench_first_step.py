@@ -1,0 +1,142 @@
+"""Benchmark: time from process start to the first completed ResNet-50 conv step, four ways.
+
+    python3 tools/bench_first_step.py --out results.json      (on a GPU host; torch is the comparison)
+
+One step = every conv layer of ResNet-50 forward (bias+relu epilogues, residual adds), then dgrad (with
+relu') and wgrad (with the bias gradient) in reverse order, at batch 32, fp16 channels_last. Each way
+runs in a fresh process, timed from just before the process is started to the end of its step:
+  a) torch, cudnn.benchmark=True       b) ours, cold cache, heuristic plans
+  c) ours, cold cache, autotuned       d) ours, warm cache after (c)
+CUDA_CACHE_DISABLE=1 keeps the driver's JIT cache from carrying compiled kernels between processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def child(mode: str, batch: int, limit: int | None) -> dict:
+    import torch
+
+    from cudnn_graphs.presets import layer_specs, resnet_layers
+
+    layers = [(layer, list(layer_specs(layer, batch=batch, dtype="float16", layout="channels_last")))
+              for layer in resnet_layers("resnet50")]
+    bufs = [[_buffers(spec, torch) for spec in specs] for _, specs in layers]
+    torch.cuda.synchronize()
+    ready = time.time()
+    if mode == "torch":
+        torch.backends.cudnn.benchmark = True
+        _torch_step(layers, bufs, torch)
+        stats = {}
+    else:
+        import cudnn_graphs as cg
+
+        session = cg.Session(policy="autotune" if mode in ("autotune", "warm") else "heuristic",
+                             autotune_limit=limit)
+        for (layer, specs), layer_bufs in zip(layers, bufs):
+            for spec, b in zip(specs, layer_bufs):
+                if spec.op == "conv_fwd":
+                    session.plan(spec).execute(**b)
+        for (layer, specs), layer_bufs in reversed(list(zip(layers, bufs))):
+            for spec, b in zip(specs, layer_bufs):
+                if spec.op != "conv_fwd":
+                    session.plan(spec).execute(**b)
+        stats = session.stats()
+        stats["chosen_by"] = sorted({session.plan(s).chosen_by for _, specs in layers for s in specs})
+    torch.cuda.synchronize()
+    return {"done": time.time(), "ready": ready, "stats": stats}
+
+
+def _buffers(spec, torch) -> dict:
+    out = {}
+    for role, desc in spec.tensors().items():
+        t = torch.empty_strided(desc.shape, desc.strides, dtype=torch.float16, device="cuda")
+        out[role] = t.normal_() if role not in ("y", "dx", "dw", "db") else t.fill_(float("nan"))
+    return out
+
+
+def _torch_step(layers, bufs, torch) -> None:
+    """What autograd runs for these layers: conv(+bias)(+z) -> relu; convolution_backward; relu' mask."""
+    F = torch.nn.functional
+    for (layer, specs), layer_bufs in zip(layers, bufs):
+        spec, b = specs[0], layer_bufs[0]
+        pre = F.conv2d(b["x"], b["w"], b["bias"], stride=spec.stride, padding=spec.padding[0][0])
+        if spec.residual:
+            pre = pre + b["z"]
+        b["y"].copy_(torch.relu(pre) if layer.relu else pre)
+    for (layer, specs), layer_bufs in reversed(list(zip(layers, bufs))):
+        for spec, b in zip(specs[1:], layer_bufs[1:]):
+            if spec.op == "conv_bwd_data":
+                dx, _, _ = torch.ops.aten.convolution_backward(
+                    b["dy"], b["dx"], b["w"], None, list(spec.stride), [spec.padding[0][0]] * 2, [1, 1], False,
+                    [0, 0], 1, [True, False, False])
+                b["dx"].copy_(dx * (b["pre_act"] > 0))
+            else:
+                _, dw, db = torch.ops.aten.convolution_backward(
+                    b["dy"], b["x"], b["dw"], [spec.w_shape[0]], list(spec.stride), [spec.padding[0][0]] * 2,
+                    [1, 1], False, [0, 0], 1, [False, True, True])
+                b["dw"].copy_(dw)
+                b["db"].copy_(db)
+
+
+def run_child(mode: str, cache: Path, args) -> dict:
+    env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache), CUDA_CACHE_DISABLE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, __file__, "--child", mode, "--batch", str(args.batch)]
+    if args.autotune_limit:
+        cmd += ["--autotune-limit", str(args.autotune_limit)]
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} failed:\n{proc.stderr[-4000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["seconds"] = out["done"] - start
+    out["setup_seconds"] = out["ready"] - start  # interpreter, imports, buffers: the same for every way
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--autotune-limit", type=int, default=None,
+                   help="candidates timed per graph in (c) (default: all; torch's benchmark_limit is 10)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.batch, args.autotune_limit)))
+        return 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        heur, tuned = Path(tmp, "heuristic"), Path(tmp, "autotune")
+        for name, mode, cache in [("a_torch_benchmark", "torch", Path(tmp, "unused")),
+                                  ("b_cold_heuristic", "heuristic", heur), ("c_cold_autotune", "autotune", tuned),
+                                  ("d_warm_after_autotune", "warm", tuned)]:
+            results[name] = run_child(mode, cache, args)
+            print(f"{name:24s} {results[name]['seconds']:8.2f} s   (setup {results[name]['setup_seconds']:.2f} s)  "
+                  f"{results[name]['stats']}", flush=True)
+    a, c, d = (results[k]["seconds"] for k in ("a_torch_benchmark", "c_cold_autotune", "d_warm_after_autotune"))
+    summary = {"warm_vs_torch": a / d, "warm_vs_cold_autotune": c / d,
+               "warm_plans_autotuned": results["d_warm_after_autotune"]["stats"].get("chosen_by") == ["autotune"],
+               "warm_builds_and_timings": [results["d_warm_after_autotune"]["stats"].get(k)
+                                           for k in ("builds", "autotuned", "timings")]}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"batch": args.batch, "autotune_limit": args.autotune_limit,
+                                              "results": results, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
