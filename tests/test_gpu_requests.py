@@ -128,6 +128,37 @@ def test_cuda_graph_capture_replays_with_new_data(fused):
             assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_bound_launch_replays_a_graph_from_the_second_launch(fused):
+    session = cg.Session(allow_tf32=False, fuse=fused)
+    spec = cg.ConvFwdSpec((2, 16, 12, 12), (32, 16, 3, 3), padding=1, dtype="float16", layout="channels_last",
+                          bias=True, activation="silu")
+    bufs = {r: ref.random(d) for r, d in spec.tensors().items()}
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        bound = session.plan(spec).bind(**bufs)
+        for i in range(4):
+            bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))  # fresh inputs, same memory
+            bufs["y"].fill_(float("nan"))
+            bound.launch()
+            side.synchronize()
+            assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"], i
+            assert (bound._replay is not None) == (i >= 1)
+        # Inside the caller's own capture, launch() records its calls into their graph instead.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            bound.launch()
+        bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))
+        bufs["y"].fill_(float("nan"))
+        graph.replay()
+        side.synchronize()
+        assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"]
+    never = session.plan(spec).bind(cuda_graph=False, **bufs)
+    for _ in range(3):
+        never.launch()
+    assert never._replay is None
+
+
 def test_max_workspace_bytes_excludes_plans():
     # wgrad on a large image: the default plan wants a workspace; a zero limit must pick one that doesn't.
     spec = cg.ConvBwdFilterSpec((8, 64, 56, 56), (8, 64, 56, 56), (64, 64, 3, 3), padding=1, dtype="float32",

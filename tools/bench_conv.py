@@ -87,9 +87,10 @@ def bench_layers(session, *, batch: int, inner: int, reps: int, check: bool):
         row = {"layer": name, "x": list(fwd.x_shape), "w": list(fwd.w_shape), "stride": fwd.stride[0]}
 
         f_plan, d_plan, w_plan = session.plan(fwd), session.plan(dgrad), session.plan(wgrad)
-        f_bound = f_plan.bind(x=x, w=w, bias=b, y=y)
-        d_bound = d_plan.bind(dy=dy, w=w, dx=dx)
-        w_bound = w_plan.bind(x=x, dy=dy, dw=dw)
+        # Launched directly, as torch launches: graph replays are timed separately below.
+        f_bound = f_plan.bind(x=x, w=w, bias=b, y=y, cuda_graph=False)
+        d_bound = d_plan.bind(dy=dy, w=w, dx=dx, cuda_graph=False)
+        w_bound = w_plan.bind(x=x, dy=dy, dw=dw, cuda_graph=False)
 
         def torch_fwd():
             F.relu(F.conv2d(x, w, b, stride=stride, padding=pad), inplace=True)
@@ -166,7 +167,8 @@ def bench_host_overhead(session, *, calls: int) -> dict:
     b = torch.randn(8, device="cuda", dtype=torch.float16)
     y = torch.empty_like(x)
     plan = session.plan(spec)
-    bound = plan.bind(x=x, w=w, bias=b, y=y)
+    bound = plan.bind(x=x, w=w, bias=b, y=y)  # cuda_graph="auto": replays a graph from the second launch
+    direct = plan.bind(x=x, w=w, bias=b, y=y, cuda_graph=False)
     part = plan.parts[0]
     ws = torch.empty(max(plan.workspace_size, 1), dtype=torch.uint8, device="cuda")
     pack = {1: x, 2: w, 3: b, 5: y}
@@ -180,6 +182,7 @@ def bench_host_overhead(session, *, calls: int) -> dict:
     captured = plan.bind(x=x, w=w, bias=b, y=y).capture()
     variants = {
         "bound_launch": bound.launch,
+        "bound_launch_direct": direct.launch,
         "bound_capture_replay": captured.replay,
         "frontend_execute_plan_at_index": fe_execute,
         "plan_execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
@@ -213,13 +216,16 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="calls per host-overhead sample")
     parser.add_argument("--out", type=Path, default=None, help="write the full results as JSON here")
     parser.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    parser.add_argument("--policy", choices=("heuristic", "autotune"), default="heuristic",
+                        help="how our plans are chosen (autotune times every candidate first)")
+    parser.add_argument("--autotune-limit", type=int, default=None, help="candidates timed per graph")
     args = parser.parse_args(argv)
 
     import torch
 
     import cudnn_graphs as cg
 
-    session = cg.Session()
+    session = cg.Session(policy=args.policy, autotune_limit=args.autotune_limit, cache=False)
     t0 = time.perf_counter()
     rows = bench_layers(session, batch=args.batch, inner=args.inner, reps=args.reps, check=not args.no_check)
     host = bench_host_overhead(session, calls=args.calls)
@@ -229,6 +235,7 @@ def main(argv=None) -> int:
             summary[f"{k}_{metric}_geomean"] = geomean(r[k][metric] for r in rows)
             summary[f"{k}_{metric}_min"] = min(r[k][metric] for r in rows)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "env": session.env.to_dict(),
+              "policy": args.policy, "autotune_limit": args.autotune_limit,
               "batch": args.batch, "layers": rows, "host_overhead_us": host, "summary": summary,
               "seconds": time.perf_counter() - t0}
     if args.out:

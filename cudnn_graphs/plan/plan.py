@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 
 UNPROBED = "unprobed"
+log = logging.getLogger("cudnn_graphs")
 
 
 @dataclass
@@ -187,10 +189,21 @@ class Plan:
             self._bound[key] = bound
         bound.launch()
 
-    def bind(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> "BoundPlan":
-        """Check buffers once; the returned object's `launch()` re-runs with no re-validation."""
+    def bind(self, *, workspace: Any = None, stream: Any = None, cuda_graph: bool | str = "auto",
+             **buffers: Any) -> "BoundPlan":
+        """Check buffers once; the returned object's `launch()` re-runs with no re-validation.
+
+        `cuda_graph="auto"`: from the second launch on, `launch()` replays a CUDA graph of the first
+        (one graph launch instead of a cuDNN execute per part: about a quarter of the host time), and
+        launches directly whenever the stream is being captured by someone else or capture failed.
+        True captures at the first launch and raises GraphCaptureError if it cannot; False never captures.
+        """
+        if cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or 'auto'")
         framework, stream_ptr, infos = self._describe(buffers, stream)
-        return self._bind_described(buffers, infos, framework, stream_ptr, workspace)
+        bound = self._bind_described(buffers, infos, framework, stream_ptr, workspace)
+        bound.cuda_graph = cuda_graph
+        return bound
 
     def _describe(self, buffers: dict[str, Any], stream: Any) -> tuple[str, int, dict]:
         framework = _framework(buffers.values())
@@ -245,6 +258,10 @@ class BoundPlan:
     stream_ptr: int = 0
     owners: list = field(default_factory=list, repr=False)  # workspace, intermediates, DLPack exports
 
+    cuda_graph: bool | str = False  # see Plan.bind
+    _launches: int = field(default=0, repr=False)
+    _replay: Any = field(default=None, repr=False)  # the captured graph's replay, once there is one
+
     def __post_init__(self) -> None:
         self.calls = self.calls_on(self.stream_ptr)
         self._set_stream = frontend.cudnn().set_stream
@@ -255,9 +272,34 @@ class BoundPlan:
                 for part, pack in zip(self.plan.parts, self.packs)]
 
     def launch(self) -> None:
+        replay = self._replay
+        if replay is not None and not _capturing(self.stream_ptr):
+            return replay()
         self._set_stream(self.handle, self.stream_ptr)  # FE >= 1.28 skips it when unchanged
         for call in self.calls:
             call()
+        if self.cuda_graph and replay is None:
+            self._launches += 1
+            if self._launches >= (1 if self.cuda_graph is True else 2):
+                self._auto_capture()
+
+    def _auto_capture(self) -> None:
+        from ..errors import GraphCaptureError
+
+        if _capturing(self.stream_ptr):  # inside the caller's own capture: their graph records our calls
+            return
+        try:
+            self._replay = self._capture().replay
+        except GraphCaptureError as err:
+            if self.cuda_graph is True:
+                raise
+            log.info("launch() stays direct for %s: %s", self.plan.spec.op, err)
+            self.cuda_graph = False
+
+    def _capture(self) -> "CapturedPlan":
+        from ..execute.capture import capture
+
+        return capture(self)
 
     def capture(self) -> "CapturedPlan":
         """Record one launch into a CUDA graph (stream capture); `replay()` re-runs it on this stream.
@@ -265,10 +307,23 @@ class BoundPlan:
         Runs the plan once first, so every kernel is loaded before capture. Raises GraphCaptureError
         when some engine cannot be captured (the plan still runs through `launch()`).
         """
-        from ..execute.capture import capture
-
         self.launch()
-        return capture(self)
+        return self._capture()
+
+
+def _capturing(stream_ptr: int) -> bool:
+    """Whether `stream_ptr` is being captured into a CUDA graph now (when unsure: yes)."""
+    try:
+        return bool(_stream_is_capturing(stream_ptr))
+    except Exception:  # e.g. the legacy stream while another stream captures globally
+        return True
+
+
+def _stream_is_capturing(stream_ptr: int) -> bool:
+    from cupy_backends.cuda.api.runtime import streamIsCapturing
+
+    globals()["_stream_is_capturing"] = streamIsCapturing  # bind once: this is on the launch path
+    return streamIsCapturing(stream_ptr)
 
 
 def _describe_part(part) -> dict[str, Any]:
