@@ -9,8 +9,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "grid_sample": "grid_sample",
-    "GridSample": "grid_sample",
+    "grid_sample": "_grid_sample",
+    "GridSample": "_grid_sample",
     "linear_act": "linear_act",
     "LinearAct": "linear_act",
 }

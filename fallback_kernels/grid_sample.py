@@ -1,0 +1,646 @@
+"""grid_sample forward and backward (torch.nn.functional.grid_sample semantics) as CUDA kernels.
+
+cuDNN's graph API has no grid_sample; these kernels (grid_sample.cu, compiled at run time with NVRTC
+through CuPy, lazily per device and dtype, binaries kept in CuPy's on-disk kernel cache) cover it:
+
+* `grid_sample(input, grid, *, mode, padding_mode, align_corners)` -> output
+* `grid_sample_backward(grad_output, input, grid, *, mode, padding_mode, align_corners,
+  input_requires_grad=True, grid_requires_grad=True, deterministic=False)` -> (grad_input, grad_grid)
+* `backward_guarantee(deterministic=..., dtype=...)` -> what a backward promises (determinism, accumulator)
+
+Inputs are torch tensors or CuPy arrays (any strides, f16 / bf16 / f32 / f64) on one CUDA device; work is
+launched on the framework's current stream and results come back in the inputs' framework. Output and
+grad_input take the input's memory format (channels-last input -> channels-last result, else contiguous);
+grad_grid is contiguous. Values follow ATen's CUDA kernels (GridSampler.cuh / GridSampler.cu), edge cases
+included: unnormalisation, border clipping, reflection, nearest's round-half-to-even, bicubic's A = -0.75
+with padding applied per tap, NaN coordinates (out of bounds, or clipped to 0 where ATen clips them).
+
+Backward algorithms (grad_grid is the same in both: each output point reduces its own channels in a fixed
+order, in registers and warp shuffles, so it is deterministic either way):
+
+* fast (default): grad_input is scattered with atomics into a channels-last accumulator (float32, float64
+  for float64 inputs; vector `red.global.add.v4.f32` on sm_90), then converted / transposed into the
+  result when the result is not already a channels-last float32 / float64 tensor. Not bit-reproducible.
+* deterministic: one int64 key per (point, tap) = destination pixel, point, tap; keys are unique, so the
+  sort (CuPy's thrust sort) fixes one order; then each destination pixel sums its contributions in key
+  order (same accumulators) and is written once. Bit-identical run to run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cudnn_graphs.errors import BufferMismatchError, SpecError
+from cudnn_graphs.execute.buffers import describe
+from cudnn_graphs.execute.streams import allocate, allocate_like, external_stream, stream_pointer
+
+from . import compile as _compile
+
+MODES = ("bilinear", "nearest", "bicubic")  # order matches the MODE_* enum in grid_sample.cu (and ATen's)
+PADDINGS = ("zeros", "border", "reflection")  # order matches PAD_*
+BILINEAR, NEAREST, BICUBIC = range(3)
+# io dtype -> (C++ storage type, math / accumulation type)
+CTYPES = {"float16": ("half_t", "float"), "bfloat16": ("bf16_t", "float"), "float32": ("float", "float"),
+          "float64": ("double", "double")}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+ACC_DTYPE = {"half_t": "float16", "bf16_t": "bfloat16", "float": "float32", "double": "float64"}
+# struct Geo and struct Tr in grid_sample.cu, field for field (all int64)
+GEO_FIELDS = ("N", "C", "ID", "IH", "IW", "OD", "OH", "OW",
+              "in_sN", "in_sC", "in_sD", "in_sH", "in_sW",
+              "gr_sN", "gr_sD", "gr_sH", "gr_sW", "gr_sK",
+              "go_sN", "go_sC", "go_sD", "go_sH", "go_sW",
+              "pad", "align", "lanes_log2", "flags")
+TR_FIELDS = ("N", "C", "S", "H", "W", "sN", "sC", "sD", "sH", "sW", "packed")
+F_GI, F_GG, F_IN_VEC, F_GO_VEC, F_GI_VEC, F_POINT_FAST = 1, 2, 4, 8, 16, 32
+VEC = 4  # channels per lane (VEC in grid_sample.cu)
+BLOCK = 256
+MAX_BLOCKS = 1 << 20  # grid-stride loops take the rest
+OPTIONS = _compile.BASE_OPTIONS
+INT_MAX = 2**31 - 1
+KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
+CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
+# (spatial dims, mode) pairs that exist: bicubic is 2-D only, as in torch
+VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) if not (nd == 3 and m == BICUBIC))
+# Knobs (tools/bench_grid_sample.py measures the alternatives). go_transpose / input_transpose: the fast
+# backward copies a channels-first grad_output / input to channels-last first, or reads it in place
+# through its strides (copying grad_output measured slower, reading the input in place much slower on
+# random grids). det_keys: the deterministic backward sorts one key per (point, tap) ("tap") or one key
+# per point, its cell ("cell", bilinear and nearest only): on an H100 "cell" measured 7-11% slower on f32
+# shapes, 2% faster on an f16 one (thrust's sort costs ~95 us almost whatever the key count, and the cell
+# gather is slower), so "tap" is the default.
+# options: extra NVRTC options (e.g. "-DGS_BWD_MIN_BLOCKS=2").
+TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "tap", "options": ()}
+# Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
+PROFILE: list | None = None
+
+_GEO_DTYPE = np.dtype([(f, np.int64) for f in GEO_FIELDS])
+_TR_DTYPE = np.dtype([(f, np.int64) for f in TR_FIELDS])
+
+
+def source() -> str:
+    return _compile.source("grid_sample.cu")
+
+
+def name_expressions(dtype: str | None = None) -> list[str]:
+    """Every kernel instantiation (for one io dtype, or all)."""
+    names: list[str] = []
+    for dt in ([dtype] if dtype else list(CTYPES)):
+        t, a = CTYPES[dt]
+        for nd, mode in VARIANTS:
+            names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in KERNELS]
+            if mode != BICUBIC:
+                names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in CELL_KERNELS]
+        names += [f"gs_to_cl<{t}, {t}>", f"gs_from_cl<{t}, {t}>"]
+        if a != t:
+            names.append(f"gs_from_cl<{a}, {t}>")
+        names.append("gs_bounds")
+    return list(dict.fromkeys(names))
+
+
+def backward_guarantee(*, deterministic: bool, dtype: str) -> dict:
+    """What grid_sample_backward promises for `dtype` with the chosen algorithm."""
+    if dtype not in CTYPES:
+        raise SpecError("dtype", dtype, f"expected one of {sorted(CTYPES)}")
+    acc = ACC_DTYPE[CTYPES[dtype][1]]
+    return {
+        "deterministic": bool(deterministic),
+        "accumulator": acc,
+        "algorithm": "sorted-gather" if deterministic else "atomic-scatter",
+        "grad_input": ("each element summed in a fixed order (destination, point, tap) in "
+                       f"{acc} and rounded once" if deterministic else
+                       f"atomic adds in {acc} in arbitrary order, rounded once to {dtype}"),
+        "grad_grid": f"per output point, channels reduced in a fixed order in {acc}: deterministic",
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# Argument checking (no GPU needed)
+# ------------------------------------------------------------------------------------------------------
+class Geometry(NamedTuple):
+    nd: int  # spatial dims: 2 or 3
+    N: int
+    C: int
+    in_sp: tuple[int, int, int]  # (D, H, W); D = 1 for 2-D
+    out_sp: tuple[int, int, int]  # (OD, OH, OW); OD = 1 for 2-D
+    dtype: str
+    mode: int
+    pad: int
+    align: bool
+
+    @property
+    def points(self) -> int:
+        return self.out_sp[0] * self.out_sp[1] * self.out_sp[2]
+
+    @property
+    def pixels(self) -> int:
+        return self.in_sp[0] * self.in_sp[1] * self.in_sp[2]
+
+    def output_shape(self) -> tuple[int, ...]:
+        return (self.N, self.C) + self.out_sp[3 - self.nd:]
+
+
+def check_options(mode: Any, padding_mode: Any, align_corners: Any) -> tuple[int, int, bool]:
+    """(mode code, padding code, align_corners) or SpecError naming the bad field."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise SpecError("mode", mode, f"expected one of {list(MODES)}")
+    if not isinstance(padding_mode, str) or padding_mode not in PADDINGS:
+        raise SpecError("padding_mode", padding_mode, f"expected one of {list(PADDINGS)}")
+    if not isinstance(align_corners, (bool, np.bool_)):
+        raise SpecError("align_corners", align_corners, "expected True or False")
+    return MODES.index(mode), PADDINGS.index(padding_mode), bool(align_corners)
+
+
+def geometry(input_shape, grid_shape, input_dtype: str, grid_dtype: str, *, mode: str = "bilinear",
+             padding_mode: str = "zeros", align_corners: bool = False) -> Geometry:
+    """Check shapes and dtypes the way torch does (plus 32-bit coordinate limits); no GPU needed."""
+    m, pad, align = check_options(mode, padding_mode, align_corners)
+    input_shape, grid_shape = tuple(int(d) for d in input_shape), tuple(int(d) for d in grid_shape)
+    rank = len(input_shape)
+    if rank not in (4, 5):
+        raise BufferMismatchError("input", "rank", "4 (N, C, H, W) or 5 (N, C, D, H, W)", rank)
+    nd = rank - 2
+    if len(grid_shape) != rank:
+        raise BufferMismatchError("grid", "rank", f"{rank}, like input", len(grid_shape))
+    if grid_shape[-1] != nd:
+        raise BufferMismatchError("grid", "last dimension", nd, grid_shape[-1])
+    if grid_shape[0] != input_shape[0]:
+        raise BufferMismatchError("grid", "batch size", input_shape[0], grid_shape[0])
+    if any(d <= 0 for d in input_shape[2:]):
+        raise BufferMismatchError("input", "spatial size", "non-empty spatial dimensions", input_shape)
+    if any(d < 0 for d in input_shape + grid_shape):
+        raise BufferMismatchError("input", "shape", "non-negative sizes", input_shape)
+    if m == BICUBIC and nd != 2:
+        raise SpecError("mode", mode, "bicubic interpolation supports 4-D input (N, C, H, W) only, like torch")
+    if input_dtype not in CTYPES:
+        raise BufferMismatchError("input", "dtype", f"one of {sorted(CTYPES)}", input_dtype)
+    if grid_dtype != input_dtype:
+        raise BufferMismatchError("grid", "dtype", input_dtype, grid_dtype)
+    if any(d > INT_MAX for d in input_shape[2:]):
+        raise BufferMismatchError("input", "spatial size", f"at most {INT_MAX} per dimension (int coordinates)",
+                                  input_shape)
+    for role, shape in (("input", input_shape), ("grid", grid_shape)):
+        if math.prod(shape) >= 2**62:
+            raise BufferMismatchError(role, "size", "fewer than 2**62 elements", math.prod(shape))
+    in_sp = ((1,) + input_shape[2:])[-3:]
+    out_sp = ((1,) + grid_shape[1:-1])[-3:]
+    return Geometry(nd, input_shape[0], input_shape[1], in_sp, out_sp, input_dtype, m, pad, align)
+
+
+def _check_grad_output(geo: Geometry, shape, dtype: str) -> None:
+    expected = geo.output_shape()
+    if tuple(shape) != expected:
+        raise BufferMismatchError("grad_output", "shape", expected, tuple(shape))
+    if dtype != geo.dtype:
+        raise BufferMismatchError("grad_output", "dtype", geo.dtype, dtype)
+
+
+def _check_same_place(infos: dict) -> tuple[str, int]:
+    first_role, first = next(iter(infos.items()))
+    for role, info in infos.items():
+        if info.framework == "pointer":
+            raise BufferMismatchError(role, "type", "a torch tensor or CuPy array (shape and strides needed)",
+                                      "int pointer")
+        if info.framework != first.framework:
+            raise BufferMismatchError(role, "framework", f"{first.framework}, like {first_role}", info.framework)
+        if info.device != first.device:
+            raise BufferMismatchError(role, "device", first.device, info.device)
+    return first.framework, first.device
+
+
+# ------------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------------
+class _Desc(NamedTuple):
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _cl_strides(shape) -> tuple[int, ...]:
+    """Channels-last strides for (N, C, *spatial)."""
+    n, c, *sp = shape
+    perm = [0, *range(2, len(shape)), 1]  # N, spatial..., C from slowest to fastest
+    cs = _contiguous_strides([shape[i] for i in perm])
+    strides = [0] * len(shape)
+    for i, s in zip(perm, cs):
+        strides[i] = s
+    return tuple(strides)
+
+
+def _same_layout(strides, expected, shape) -> bool:
+    return strides is not None and all(s == e or d == 1 for s, e, d in zip(strides, expected, shape))
+
+
+def _vec_ok(ptr: int, strides, shape, itemsize: int) -> bool:
+    """VEC consecutive channels load as one vector at every position: unit channel stride, aligned."""
+    if strides[1] != 1 and shape[1] != 1:
+        return False
+    others = [s for i, (s, d) in enumerate(zip(strides, shape)) if i != 1 and d != 1]
+    return ptr % (VEC * itemsize) == 0 and all(s % VEC == 0 for s in others) and shape[1] % VEC == 0
+
+
+def _spatial5(strides, nd: int) -> tuple[int, int, int]:
+    """(sD, sH, sW) of an (N, C, *spatial) tensor; sD = 0 in 2-D."""
+    sp = tuple(strides[2:])
+    return (0,) + sp if nd == 2 else sp
+
+
+def _lanes_log2(c: int) -> int:
+    groups = max(1, -(-c // VEC))
+    return min(5, (groups - 1).bit_length())
+
+
+def _blocks(threads: int) -> int:
+    return max(1, min(-(-threads // BLOCK), MAX_BLOCKS))
+
+
+def _taps(geo: Geometry) -> int:
+    return 1 if geo.mode == NEAREST else 16 if geo.mode == BICUBIC else 1 << geo.nd
+
+
+def _nc5(strides, nd: int) -> tuple[int, ...]:
+    """(sN, sC, sD, sH, sW) of an (N, C, *spatial) tensor."""
+    return (strides[0], strides[1]) + _spatial5(strides, nd)
+
+
+def _grid5(strides, nd: int) -> tuple[int, ...]:
+    """(sN, sD, sH, sW, sK) of an (N, *out spatial, nd) grid."""
+    sp = tuple(strides[1:-1])
+    return (strides[0],) + ((0,) + sp if nd == 2 else sp) + (strides[-1],)
+
+
+def _geo_struct(geo: Geometry, *, inp=(0,) * 5, grid=(0,) * 5, go=(0,) * 5, lanes_log2=0, flags=0) -> np.ndarray:
+    values = (geo.N, geo.C, *geo.in_sp, *geo.out_sp, *inp, *grid, *go, geo.pad, int(geo.align), lanes_log2, flags)
+    return np.array([tuple(int(v) for v in values)], dtype=_GEO_DTYPE)  # CuPy passes its bytes as the struct
+
+
+# ------------------------------------------------------------------------------------------------------
+# Plans: what one call launches, built once per (shapes, strides, dtype, options, alignment) and replayed
+# with the call's pointers, so the Python work per call is a few allocations and launches.
+# ------------------------------------------------------------------------------------------------------
+class _Ref(int):
+    """A buffer named in a plan; its int value is the address modulo 256 (all a plan may depend on)."""
+
+    def __new__(cls, name: str, residue: int = 0):
+        obj = int.__new__(cls, residue % 256)
+        obj.name = name
+        return obj
+
+
+class _Plan(NamedTuple):
+    geo: Geometry
+    outputs: dict  # role -> _Desc of the results to allocate
+    scratch: tuple  # (name, offset) in one scratch allocation
+    scratch_bytes: int
+    ops: tuple  # ("zero", ref, nbytes) | ("launch", function, grid, block, args, name) | ("sort", ref, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(device: int, dtype: str, options: tuple[str, ...]) -> dict:
+    """The kernels for one (device, dtype), compiled on first use (CuPy keeps the binary on disk)."""
+    module = _compile.load_module("grid_sample.cu", tuple(name_expressions(dtype)), device, options)
+    return {name: module.get_function(name) for name in name_expressions(dtype)}
+
+
+class _Builder:
+    def __init__(self, device: int, dtype: str):
+        self.device, self.dtype = device, dtype
+        self.scratch: list[tuple[str, int]] = []
+        self.ops: list[tuple] = []
+
+    def buffer(self, nbytes: int) -> _Ref:
+        name = f"scratch{len(self.scratch)}"
+        self.scratch.append((name, int(nbytes)))
+        return _Ref(name)
+
+    def zero(self, ref: _Ref, nbytes: int) -> None:
+        if nbytes:
+            self.ops.append(("zero", ref, int(nbytes)))
+
+    def launch(self, name: str, grid, block, args) -> None:
+        fn = _functions(self.device, self.dtype, OPTIONS + tuple(TUNING.get("options", ())))[name]
+        self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name))
+
+    def sort(self, ref: _Ref, n: int) -> None:
+        self.ops.append(("sort", ref, int(n)))
+
+    def transpose(self, kernel: str, src_t: str, dst_t: str, src: _Ref, dst: _Ref, n: int, c: int,
+                  sp: tuple[int, int, int], strides, nd: int) -> None:
+        """gs_to_cl: strided (n, c, *sp) -> channels-last contiguous; gs_from_cl: the other way."""
+        D, H, W = sp
+        s = D * H * W
+        sD, sH, sW = _spatial5(strides, nd)
+        packed = all(st == e or d == 1 for st, e, d in zip((sD, sH, sW), (H * W, W, 1), (D, H, W)))
+        tr = np.array([(n, c, s, H, W, strides[0], strides[1], sD, sH, sW, int(packed))], dtype=_TR_DTYPE)
+        grid = (-(-s // 32), min(-(-c // 32), 65535), min(n, 65535))
+        self.launch(f"{kernel}<{src_t}, {dst_t}>", grid, (32, 8), (src, dst, tr))
+
+    def plan(self, geo: Geometry, outputs: dict) -> _Plan:
+        offsets, total = [], 0
+        for name, nbytes in self.scratch:
+            offsets.append((name, total))
+            total += -(-max(nbytes, 1) // 256) * 256
+        return _Plan(geo, outputs, tuple(offsets), total, tuple(self.ops))
+
+
+def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
+    import cupy
+
+    stream_ptr = stream_pointer(None, framework, device)
+    stream = external_stream(stream_ptr) if framework == "torch" else cupy.cuda.get_current_stream()
+    owner = None
+    if plan.scratch_bytes:
+        owner, base = allocate(plan.scratch_bytes, framework, device)
+        for name, offset in plan.scratch:
+            ptrs[name] = base + offset
+
+    def arg(a):
+        if isinstance(a, _Ref):
+            return np.uint64(ptrs[a.name])
+        return np.uint64(0) if a is None else a
+
+    profile = PROFILE
+    for op in plan.ops:
+        if profile is not None:
+            start = cupy.cuda.Event()
+            start.record(stream)
+        if op[0] == "launch":
+            _, fn, grid, block, args, _name = op
+            fn(grid, block, tuple(arg(a) for a in args), stream=stream)
+        elif op[0] == "zero":
+            cupy.cuda.runtime.memsetAsync(ptrs[op[1].name], 0, op[2], stream_ptr)
+        else:  # sort int64 keys in place with CuPy's thrust sort, on (and with memory of) the launch stream
+            _, ref, n = op
+            memory = cupy.cuda.UnownedMemory(ptrs[ref.name], n * 8, owner, device_id=device)
+            keys = cupy.ndarray((n,), dtype=np.int64, memptr=cupy.cuda.MemoryPointer(memory, 0))
+            with stream:
+                keys.sort()
+        if profile is not None:
+            end = cupy.cuda.Event()
+            end.record(stream)
+            label = op[5] if op[0] == "launch" else f"{op[0]}({op[2]})"
+            profile.append((label, start, end))
+    # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
+
+
+def _key(info) -> tuple:
+    return (info.shape, info.strides, info.dtype, info.ptr % 256)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, padding_mode: str,
+                  align_corners: bool, tuning: tuple) -> _Plan:
+    in_shape, in_strides, in_dtype, in_res = inp_key
+    gr_shape, gr_strides, gr_dtype, gr_res = grid_key
+    geo = geometry(in_shape, gr_shape, in_dtype, gr_dtype, mode=mode, padding_mode=padding_mode,
+                   align_corners=align_corners)
+    out = _Desc(geo.output_shape(), _format_strides(in_shape, in_strides, geo.output_shape()), geo.dtype)
+    b = _Builder(device, geo.dtype)
+    if math.prod(out.shape):
+        t, a = CTYPES[geo.dtype]
+        item = ITEMSIZE[geo.dtype]
+        flags = 0
+        if _vec_ok(in_res, in_strides, in_shape, item):
+            flags |= F_IN_VEC
+        if _vec_ok(0, out.strides, out.shape, item):
+            flags |= F_GO_VEC
+        if out.strides[1] != 1:
+            flags |= F_POINT_FAST
+        g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
+                        go=_nc5(out.strides, geo.nd), flags=flags)
+        threads = geo.N * geo.points * -(-geo.C // VEC)
+        b.launch(f"gs_forward<{t}, {a}, {geo.nd}, {geo.mode}>", (_blocks(threads),), (BLOCK,),
+                 (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"), g))
+    return b.plan(geo, {"output": out})
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_plan(device: int, go_key: tuple, inp_key: tuple, grid_key: tuple, mode: str, padding_mode: str,
+                   align_corners: bool, need_gi: bool, need_gg: bool, deterministic: bool,
+                   tuning: tuple) -> _Plan:
+    in_shape, in_strides, in_dtype, in_res = inp_key
+    gr_shape, gr_strides, gr_dtype, gr_res = grid_key
+    geo = geometry(in_shape, gr_shape, in_dtype, gr_dtype, mode=mode, padding_mode=padding_mode,
+                   align_corners=align_corners)
+    _check_grad_output(geo, go_key[0], go_key[2])
+    outputs = {}
+    if need_gi:
+        outputs["grad_input"] = _Desc(in_shape, _format_strides(in_shape, in_strides, in_shape), geo.dtype)
+    if need_gg:
+        outputs["grad_grid"] = _Desc(gr_shape, _contiguous_strides(gr_shape), geo.dtype)
+    b = _Builder(device, geo.dtype)
+    bufs = _Bufs(go=_Tensor(_Ref("grad_output", go_key[3]), go_key[1]),
+                 inp=_Tensor(_Ref("input", in_res), in_strides), grid=_Tensor(_Ref("grid", gr_res), gr_strides),
+                 gi=_Tensor(_Ref("grad_input"), outputs["grad_input"].strides) if need_gi else None,
+                 gg=_Tensor(_Ref("grad_grid"), outputs["grad_grid"].strides) if need_gg else None)
+    if geo.N * geo.C * geo.points == 0:  # nothing flows back: zeros, no kernel
+        item = ITEMSIZE[geo.dtype]
+        if need_gi:
+            b.zero(bufs.gi.ref, math.prod(in_shape) * item)
+        if need_gg:
+            b.zero(bufs.gg.ref, math.prod(gr_shape) * item)
+    elif deterministic:
+        _backward_deterministic(b, geo, bufs)
+    else:
+        _backward_fast(b, geo, bufs)
+    return b.plan(geo, outputs)
+
+
+class _Tensor(NamedTuple):
+    ref: _Ref
+    strides: tuple
+
+
+class _Bufs(NamedTuple):
+    go: _Tensor
+    inp: _Tensor
+    grid: _Tensor
+    gi: _Tensor | None
+    gg: _Tensor | None
+
+
+def _format_strides(shape, strides, out_shape) -> tuple[int, ...]:
+    """Strides for `out_shape` in the memory format of a tensor with (shape, strides): channels-last when
+    it is channels-last (and not also contiguous), else contiguous."""
+    if _same_layout(strides, _cl_strides(shape), shape) and not _same_layout(strides, _contiguous_strides(shape),
+                                                                             shape):
+        return _cl_strides(out_shape)
+    return _contiguous_strides(out_shape)
+
+
+def _is_cl_layout(shape, strides) -> bool:
+    return _same_layout(strides, _cl_strides(shape), shape)
+
+
+def _in_shape(geo: Geometry) -> tuple[int, ...]:
+    return (geo.N, geo.C) + geo.in_sp[3 - geo.nd:]
+
+
+def _input_for_grid_grad(b: _Builder, geo: Geometry, inp: _Tensor) -> _Tensor:
+    """The input to read corner values from: as given, or a channels-last copy (TUNING)."""
+    shape = _in_shape(geo)
+    if _is_cl_layout(shape, inp.strides) or not TUNING["input_transpose"]:
+        return inp
+    t = CTYPES[geo.dtype][0]
+    ref = b.buffer(geo.N * geo.C * geo.pixels * ITEMSIZE[geo.dtype])
+    b.transpose("gs_to_cl", t, t, inp.ref, ref, geo.N, geo.C, geo.in_sp, inp.strides, geo.nd)
+    return _Tensor(ref, _cl_strides(shape))
+
+
+def _go_cl(b: _Builder, geo: Geometry, go: _Tensor) -> _Tensor:
+    """grad_output in channels-last contiguous layout (copied if it is not)."""
+    shape = geo.output_shape()
+    if _is_cl_layout(shape, go.strides):
+        return go
+    t = CTYPES[geo.dtype][0]
+    ref = b.buffer(geo.N * geo.C * geo.points * ITEMSIZE[geo.dtype])
+    b.transpose("gs_to_cl", t, t, go.ref, ref, geo.N, geo.C, geo.out_sp, go.strides, geo.nd)
+    return _Tensor(ref, _cl_strides(shape))
+
+
+def _backward_launch(b: _Builder, geo: Geometry, go: _Tensor, inp: _Tensor | None, grid: _Tensor,
+                     gi: _Ref | None, gg: _Ref | None, flags: int) -> None:
+    t, a = CTYPES[geo.dtype]
+    item = ITEMSIZE[geo.dtype]
+    if _vec_ok(go.ref, go.strides, geo.output_shape(), item):
+        flags |= F_GO_VEC
+    if inp is not None and _vec_ok(inp.ref, inp.strides, _in_shape(geo), item):
+        flags |= F_IN_VEC
+    if geo.C % VEC == 0:
+        flags |= F_GI_VEC  # the accumulator is channels-last contiguous and 256-byte aligned
+    lg = _lanes_log2(geo.C)
+    g = _geo_struct(geo, inp=_nc5(inp.strides, geo.nd) if inp is not None else (0,) * 5,
+                    grid=_grid5(grid.strides, geo.nd), go=_nc5(go.strides, geo.nd), lanes_log2=lg, flags=flags)
+    threads = (geo.N * geo.points) << lg
+    b.launch(f"gs_backward<{t}, {a}, {geo.nd}, {geo.mode}>", (_blocks(threads),), (BLOCK,),
+             (go.ref, inp.ref if inp is not None else None, grid.ref, gi, gg, g))
+
+
+def _backward_fast(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+    t, a = CTYPES[geo.dtype]
+    acc_bytes = geo.N * geo.C * geo.pixels * ITEMSIZE[ACC_DTYPE[a]]
+    flags, acc, direct = 0, None, False
+    if bufs.gi is not None:
+        flags |= F_GI
+        direct = t == a and _is_cl_layout(_in_shape(geo), bufs.gi.strides)  # f32 / f64 channels-last: in place
+        acc = bufs.gi.ref if direct else b.buffer(acc_bytes)
+        b.zero(acc, acc_bytes)
+    inp = None
+    if bufs.gg is not None:
+        flags |= F_GG
+        if geo.mode != NEAREST:
+            inp = _input_for_grid_grad(b, geo, bufs.inp)
+    go = _go_cl(b, geo, bufs.go) if TUNING["go_transpose"] else bufs.go
+    _backward_launch(b, geo, go, inp, bufs.grid, acc, bufs.gg.ref if bufs.gg is not None else None, flags)
+    if bufs.gi is not None and not direct:
+        b.transpose("gs_from_cl", a, t, acc, bufs.gi.ref, geo.N, geo.C, geo.in_sp, bufs.gi.strides, geo.nd)
+
+
+def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+    t, a = CTYPES[geo.dtype]
+    item, acc_item = ITEMSIZE[geo.dtype], ITEMSIZE[ACC_DTYPE[a]]
+    go = bufs.go
+    if bufs.gi is not None:
+        npts, npix = geo.N * geo.points, geo.N * geo.pixels
+        cell = TUNING["det_keys"] == "cell" and geo.mode != BICUBIC
+        if cell:  # one key per point: its cell
+            D, H, W = geo.in_sp
+            dests = geo.N * (D + 1 if geo.nd == 3 else 1) * (H + 1) * (W + 1)
+            per_dest, n_keys, kernels = geo.points, npts, ("gs_cell_keys", "gs_cell_gather")
+        else:  # one key per (point, tap): its destination pixel
+            k = _taps(geo)
+            dests, per_dest, n_keys, kernels = npix, geo.points * k, npts * k, ("gs_keys", "gs_gather")
+        if dests * per_dest >= 2**62:
+            raise BufferMismatchError("grid", "size", "N * input pixels * output points * taps < 2**62 for the "
+                                      "deterministic backward's int64 keys", dests * per_dest)
+        go = _go_cl(b, geo, go)
+        coords = b.buffer(npts * geo.nd * acc_item)
+        keys = b.buffer(n_keys * 8)
+        variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
+        b.launch(kernels[0] + variant, (_blocks(npts),), (BLOCK,),
+                 (bufs.grid.ref, keys, coords, _geo_struct(geo, grid=_grid5(bufs.grid.strides, geo.nd))))
+        b.sort(keys, n_keys)
+        bounds = b.buffer(dests * 2 * 8)
+        b.zero(bounds, dests * 2 * 8)
+        b.launch("gs_bounds", (_blocks(n_keys),), (BLOCK,), (keys, bounds, np.int64(n_keys), np.int64(per_dest)))
+        direct = _is_cl_layout(_in_shape(geo), bufs.gi.strides)
+        target = bufs.gi.ref if direct else b.buffer(npix * geo.C * item)
+        flags = F_GI_VEC if geo.C % VEC == 0 else 0
+        if _vec_ok(go.ref, go.strides, geo.output_shape(), item):
+            flags |= F_GO_VEC
+        lg = _lanes_log2(geo.C)
+        b.launch(kernels[1] + variant, (_blocks(npix << lg),), (BLOCK,),
+                 (keys, bounds, coords, go.ref, target, _geo_struct(geo, lanes_log2=lg, flags=flags)))
+        if not direct:
+            b.transpose("gs_from_cl", t, t, target, bufs.gi.ref, geo.N, geo.C, geo.in_sp, bufs.gi.strides, geo.nd)
+    if bufs.gg is not None:
+        inp = _input_for_grid_grad(b, geo, bufs.inp) if geo.mode != NEAREST else None
+        _backward_launch(b, geo, go, inp, bufs.grid, None, bufs.gg.ref, F_GG)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------
+def _tuning_key() -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in TUNING.items()))
+
+
+def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: str = "zeros",
+                align_corners: bool = False) -> Any:
+    """torch.nn.functional.grid_sample(input, grid, mode, padding_mode, align_corners), on the GPU.
+
+    The result is in the input's framework and memory format (channels-last in, channels-last out).
+    """
+    check_options(mode, padding_mode, align_corners)  # bad option names fail before any buffer is touched
+    inp, gr = describe(input, "input"), describe(grid, "grid")
+    framework, device = _check_same_place({"input": inp, "grid": gr})
+    plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
+    out = allocate_like(plan.outputs["output"], like=input, framework=framework, device=device)
+    if plan.ops:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            _run(plan, framework, device, {"input": inp.ptr, "grid": gr.ptr, "output": _ptr(out)})
+    return out
+
+
+def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str = "bilinear",
+                         padding_mode: str = "zeros", align_corners: bool = False,
+                         input_requires_grad: bool = True, grid_requires_grad: bool = True,
+                         deterministic: bool = False) -> tuple[Any, Any]:
+    """(grad_input, grad_grid) of grid_sample; None for a gradient not asked for.
+
+    deterministic=False: atomics (fast); True: bit-identical run to run. See `backward_guarantee`.
+    grad_input takes the input's memory format, grad_grid is contiguous; both in the inputs' framework.
+    """
+    check_options(mode, padding_mode, align_corners)
+    go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
+    framework, device = _check_same_place({"grad_output": go, "input": inp, "grid": gr})
+    plan = _backward_plan(device, _key(go), _key(inp), _key(gr), mode, padding_mode, bool(align_corners),
+                          bool(input_requires_grad), bool(grid_requires_grad), bool(deterministic), _tuning_key())
+    results = {role: allocate_like(desc, like=input if role == "grad_input" else grid, framework=framework,
+                                   device=device) for role, desc in plan.outputs.items()}
+    if plan.ops:
+        import cupy
+
+        ptrs = {"grad_output": go.ptr, "input": inp.ptr, "grid": gr.ptr}
+        ptrs.update({role: _ptr(r) for role, r in results.items()})
+        with cupy.cuda.Device(device):
+            _run(plan, framework, device, ptrs)
+    return results.get("grad_input"), results.get("grad_grid")
+
+
+def _ptr(obj: Any) -> int:
+    return obj.data_ptr() if hasattr(obj, "data_ptr") else obj.data.ptr

@@ -1,0 +1,622 @@
+"""GPU: grid_sample forward and both backward algorithms against torch's own grid_sample (the oracle).
+
+The oracle is torch.nn.functional.grid_sample + autograd in float64 on upcast copies of the inputs. Grids
+are uniform in [-1.2, 1.2] (they reach outside the image) but keep every sampling coordinate at least
+`MARGIN` pixels away from integers and half-integers, where grid_sample is discontinuous (floor, round,
+clip and reflection folds): there a float32 coordinate and its float64 oracle may fall on different sides.
+Edge cases at exact boundaries and non-finite grids are compared with torch in the same dtype instead.
+
+Set GS_REPORT_DIR to get every failure of the matrix tests as JSON lines in failures.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+from cudnn_graphs.errors import BufferMismatchError, SpecError  # noqa: E402
+from fallback_kernels import grid_sample as gs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TD = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+# Relative L2 error allowed per dtype (the oracle is float64 on the same, already rounded, inputs).
+TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 5e-5, "float64": 1e-10}
+MODES = {2: ("bilinear", "nearest", "bicubic"), 3: ("bilinear", "nearest")}
+PADS = ("zeros", "border", "reflection")
+LAYOUTS = ("contiguous", "channels_last")
+MARGIN = 2e-3
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _report(test: str, failures: list) -> None:
+    folder = os.environ.get("GS_REPORT_DIR")
+    if folder and failures:
+        with open(Path(folder) / "failures.jsonl", "a") as f:
+            for item in failures:
+                f.write(json.dumps({"test": test, **item}, default=str) + "\n")
+
+
+def _fail_if_any(test: str, failures: list) -> None:
+    _report(test, failures)
+    if failures:
+        lines = [json.dumps(f, default=str) for f in failures[:25]]
+        pytest.fail(f"{len(failures)} failing case(s):\n" + "\n".join(lines), pytrace=False)
+
+
+def _memory_format(nd: int):
+    return torch.channels_last if nd == 2 else torch.channels_last_3d
+
+
+def rand(shape, dtype, layout="contiguous"):
+    """Fresh random data (never zeros) in the given layout."""
+    t = torch.randn(shape, dtype=torch.float64, device="cuda").to(TD[dtype])
+    if layout == "channels_last":
+        t = t.contiguous(memory_format=_memory_format(len(shape) - 2))
+    return t
+
+
+def _unnormalize(g, size, align):
+    return (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+
+
+def make_grid(n, out_sp, in_sp, align, dtype, lo=-1.2, hi=1.2, margin=MARGIN):
+    """Uniform grid in [lo, hi] whose coordinates stay `margin` pixels off integers and half-integers."""
+    nd = len(in_sp)
+    g = torch.empty((n, *out_sp, nd), dtype=torch.float64, device="cuda").uniform_(lo, hi)
+    sizes = list(reversed(in_sp))  # grid[..., 0] indexes W, [..., 1] H, [..., 2] D
+    for _ in range(200):
+        q = g.to(TD[dtype]).double()
+        bad = torch.zeros(q.shape[:-1], dtype=torch.bool, device="cuda")
+        for a, size in enumerate(sizes):
+            ix = _unnormalize(q[..., a], size, align)
+            bad |= (ix * 2 - torch.round(ix * 2)).abs() / 2 < margin
+        if not bad.any():
+            return g.to(TD[dtype])
+        g[bad] = torch.empty((int(bad.sum()), nd), dtype=torch.float64, device="cuda").uniform_(lo, hi)
+    raise AssertionError("could not draw a grid away from the discontinuities")
+
+
+def oracle(inp, grid, go, mode, pad, align):
+    i = inp.detach().double().requires_grad_()
+    g = grid.detach().double().requires_grad_()
+    out = F.grid_sample(i, g, mode=mode, padding_mode=pad, align_corners=align)
+    gi, gg = torch.autograd.grad(out, (i, g), go.double())
+    return out, gi, gg
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    nb = b.norm().item()
+    return (a - b).norm().item() / nb if nb > 0 else a.norm().item()
+
+
+def run_case(nd, mode, pad, align, dtype, layout, n, c, in_sp, out_sp, algorithms=(False, True)):
+    """Errors (relative L2) of forward and each backward algorithm; {} when all pass."""
+    inp = rand((n, c, *in_sp), dtype, layout)
+    grid = make_grid(n, out_sp, in_sp, align, dtype)
+    go = rand((n, c, *out_sp), dtype, layout)
+    ref_out, ref_gi, ref_gg = oracle(inp, grid, go, mode, pad, align)
+    errors = {}
+    out = gs.grid_sample(inp, grid, mode=mode, padding_mode=pad, align_corners=align)
+    errors["out"] = rel(out, ref_out)
+    problems = {}
+    if layout == "channels_last" and not out.is_contiguous(memory_format=_memory_format(nd)):
+        problems["out_layout"] = tuple(out.stride())
+    for det in algorithms:
+        gi, gg = gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode=pad, align_corners=align,
+                                         deterministic=det)
+        tag = "det" if det else "fast"
+        errors[f"gi_{tag}"] = rel(gi, ref_gi)
+        errors[f"gg_{tag}"] = rel(gg, ref_gg)
+        if gi.dtype != inp.dtype or gg.dtype != grid.dtype or gi.shape != inp.shape or gg.shape != grid.shape:
+            problems[f"{tag}_meta"] = (gi.dtype, gi.shape, gg.dtype, gg.shape)
+        if layout == "channels_last" and not gi.is_contiguous(memory_format=_memory_format(nd)):
+            problems[f"{tag}_gi_layout"] = tuple(gi.stride())
+    bad = {k: v for k, v in errors.items() if not v <= TOL[dtype]}
+    bad.update(problems)
+    if bad:
+        return dict(nd=nd, mode=mode, pad=pad, align=align, dtype=dtype, layout=layout, c=c, in_sp=in_sp,
+                    out_sp=out_sp, bad=bad, tol=TOL[dtype])
+    return {}
+
+
+def _matrix(nd, dtypes, layouts, n, c, in_sp, out_sp, aligns=(False, True), modes=None, pads=PADS):
+    failures = []
+    for dtype in dtypes:
+        for layout in layouts:
+            for mode in modes or MODES[nd]:
+                for pad in pads:
+                    for align in aligns:
+                        try:
+                            f = run_case(nd, mode, pad, align, dtype, layout, n, c, in_sp, out_sp)
+                        except Exception as err:  # keep going: one summary for the whole matrix
+                            f = dict(nd=nd, mode=mode, pad=pad, align=align, dtype=dtype, layout=layout,
+                                     error=f"{type(err).__name__}: {err}"[:500])
+                        if f:
+                            failures.append(f)
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------------
+# The full matrix at small sizes
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(TD))
+@pytest.mark.parametrize("nd", [2, 3])
+def test_full_matrix_small(nd, dtype):
+    torch.manual_seed(1)
+    in_sp, out_sp = ((7, 9), (5, 6)) if nd == 2 else ((4, 5, 6), (3, 4, 5))
+    failures = _matrix(nd, [dtype], LAYOUTS, 2, 6, in_sp, out_sp)  # C = 6: the scalar channel path
+    # C = 16 channels-last: the vector loads / stores / atomics
+    failures += _matrix(nd, [dtype], ["channels_last"], 2, 16, in_sp, out_sp)
+    _fail_if_any(f"full_matrix_small[{nd}-{dtype}]", failures)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_larger_shapes_subset(nd):
+    torch.manual_seed(2)
+    if nd == 2:
+        failures = _matrix(2, ["float32", "float16"], LAYOUTS, 3, 64, (33, 47), (40, 50), aligns=(False,))
+        failures += _matrix(2, ["bfloat16"], ["channels_last"], 2, 36, (20, 30), (31, 17), aligns=(True,),
+                            pads=("zeros",))
+    else:
+        failures = _matrix(3, ["float32"], LAYOUTS, 2, 16, (9, 10, 11), (7, 8, 9), aligns=(False,))
+        failures += _matrix(3, ["float16"], ["channels_last"], 2, 20, (6, 7, 8), (5, 6, 7), aligns=(True,),
+                            pads=("reflection",))
+    _fail_if_any(f"larger_shapes_subset[{nd}]", failures)
+
+
+def test_strided_and_expanded_buffers():
+    """Non-contiguous views, an expanded (stride 0) grad_output and a strided grid."""
+    torch.manual_seed(3)
+    failures = []
+    for dtype in ("float32", "float16"):
+        base = rand((2, 10, 13, 17), dtype)
+        inp = base[:, 1:9, ::2, 1:]  # strided view
+        gbase = make_grid(2, (6, 14), (7, 16), False, dtype)
+        grid = torch.cat([gbase, gbase], dim=2)[:, :, ::2]  # strided grid (same values)
+        go = rand((1, 8, 1, 14), dtype).expand(2, 8, 6, 14)  # stride-0 dims, as autograd gives for sums
+        ref_out, ref_gi, ref_gg = oracle(inp, grid, go, "bilinear", "reflection", False)
+        out = gs.grid_sample(inp, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+        errs = {"out": rel(out, ref_out)}
+        for det in (False, True):
+            gi, gg = gs.grid_sample_backward(go, inp, grid, mode="bilinear", padding_mode="reflection",
+                                             align_corners=False, deterministic=det)
+            errs[f"gi{det}"], errs[f"gg{det}"] = rel(gi, ref_gi), rel(gg, ref_gg)
+        bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+        if bad:
+            failures.append(dict(dtype=dtype, bad=bad))
+    _fail_if_any("strided_and_expanded_buffers", failures)
+
+
+@pytest.mark.parametrize("go_transpose, input_transpose", [(True, True), (False, False)])
+def test_fast_backward_tuning_variants(monkeypatch, go_transpose, input_transpose):
+    monkeypatch.setitem(gs.TUNING, "go_transpose", go_transpose)
+    monkeypatch.setitem(gs.TUNING, "input_transpose", input_transpose)
+    torch.manual_seed(4)
+    failures = []
+    for nd, in_sp, out_sp in ((2, (11, 13), (9, 10)), (3, (5, 6, 7), (4, 5, 6))):
+        for mode in MODES[nd]:
+            for dtype in ("float32", "float16"):
+                f = run_case(nd, mode, "zeros", False, dtype, "contiguous", 2, 12, in_sp, out_sp, algorithms=(False,))
+                if f:
+                    failures.append(f)
+    _fail_if_any(f"tuning[{go_transpose}-{input_transpose}]", failures)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Determinism
+# ------------------------------------------------------------------------------------------------------
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32 if t.element_size() == 4 else torch.int64)
+
+
+@pytest.mark.parametrize("det_keys", ["cell", "tap"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_deterministic_backward_is_bit_identical(monkeypatch, dtype, det_keys):
+    """Many points per input cell (upsampling grid, border padding piles points on the edges)."""
+    monkeypatch.setitem(gs.TUNING, "det_keys", det_keys)
+    torch.manual_seed(5)
+    failures = []
+    cases = [(2, "bilinear", (6, 7), (48, 40)), (2, "bicubic", (6, 7), (30, 40)), (2, "nearest", (6, 7), (48, 40)),
+             (3, "bilinear", (4, 5, 6), (12, 14, 16)), (3, "nearest", (4, 5, 6), (12, 14, 16))]
+    for nd, mode, in_sp, out_sp in cases:
+        for layout in LAYOUTS:
+            inp = rand((2, 12, *in_sp), dtype, layout)
+            grid = make_grid(2, out_sp, in_sp, True, dtype, lo=-1.5, hi=1.5)
+            go = rand((2, 12, *out_sp), dtype, layout)
+            runs = [gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode="border", align_corners=True,
+                                            deterministic=True) for _ in range(5)]
+            same = all(torch.equal(_bits(r[0]), _bits(runs[0][0])) and torch.equal(_bits(r[1]), _bits(runs[0][1]))
+                       for r in runs[1:])
+            _, ref_gi, ref_gg = oracle(inp, grid, go, mode, "border", True)
+            e_gi, e_gg = rel(runs[0][0], ref_gi), rel(runs[0][1], ref_gg)
+            if not (same and e_gi <= TOL[dtype] and e_gg <= TOL[dtype]):
+                failures.append(dict(nd=nd, mode=mode, layout=layout, dtype=dtype, identical=same, gi=e_gi, gg=e_gg))
+    _fail_if_any(f"deterministic[{dtype}-{det_keys}]", failures)
+
+
+def test_deterministic_cell_keys_variant(monkeypatch):
+    """The default deterministic backward sorts one key per (point, tap); the per-point (cell) form agrees too."""
+    monkeypatch.setitem(gs.TUNING, "det_keys", "cell")
+    torch.manual_seed(13)
+    failures = []
+    for nd, in_sp, out_sp in ((2, (7, 9), (5, 6)), (3, (4, 5, 6), (3, 4, 5))):
+        for mode in MODES[nd]:
+            for pad in PADS:
+                for dtype, layout in (("float32", "contiguous"), ("float16", "channels_last")):
+                    f = run_case(nd, mode, pad, True, dtype, layout, 2, 8, in_sp, out_sp, algorithms=(True,))
+                    if f:
+                        failures.append(f)
+    _fail_if_any("deterministic_cell_keys", failures)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Edge semantics against torch in the same dtype
+# ------------------------------------------------------------------------------------------------------
+def _torch_same_dtype(inp, grid, go, mode, pad, align):
+    """torch's own CUDA kernel (GridSampler.cu). cuDNN is switched off: torch sends 2-D bilinear / zeros /
+    align_corners=True to cuDNN's sampler otherwise, which treats non-finite grids its own way."""
+    i, g = inp.detach().clone().requires_grad_(), grid.detach().clone().requires_grad_()
+    with torch.backends.cudnn.flags(enabled=False):
+        out = F.grid_sample(i, g, mode=mode, padding_mode=pad, align_corners=align)
+        gi, gg = torch.autograd.grad(out, (i, g), go)
+    return out, gi, gg
+
+
+def _close(a, b, dtype) -> bool:
+    if not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return False
+    try:
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-4 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-4 if dtype == torch.float32 else 2e-2)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_non_finite_and_huge_grid_values_like_torch():
+    torch.manual_seed(6)
+    failures = []
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.25], dtype=torch.float64)
+    for nd in (2, 3):
+        in_sp, out_sp = ((5, 6), (4, 5)) if nd == 2 else ((3, 4, 5), (2, 3, 4))
+        for mode in MODES[nd]:
+            for pad in PADS:
+                for align in (False, True):
+                    inp = rand((2, 3, *in_sp), "float32")
+                    grid = make_grid(2, out_sp, in_sp, align, "float32").double()
+                    flat = grid.view(-1)
+                    idx = torch.randperm(flat.numel(), device="cuda")[: flat.numel() // 3]
+                    flat[idx] = specials.to("cuda")[torch.randint(0, len(specials), (len(idx),), device="cuda")]
+                    grid = grid.float()
+                    go = rand((2, 3, *out_sp), "float32")
+                    ref = _torch_same_dtype(inp, grid, go, mode, pad, align)
+                    ours = [gs.grid_sample(inp, grid, mode=mode, padding_mode=pad, align_corners=align)]
+                    for det in (False, True):
+                        ours += list(gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode=pad,
+                                                             align_corners=align, deterministic=det))
+                    names = ["out", "gi_fast", "gg_fast", "gi_det", "gg_det"]
+                    refs = [ref[0], ref[1], ref[2], ref[1], ref[2]]
+                    bad = [n for n, a, b in zip(names, ours, refs) if not _close(a, b, torch.float32)]
+                    if bad:
+                        failures.append(dict(nd=nd, mode=mode, pad=pad, align=align, bad=bad))
+    _fail_if_any("non_finite_grid", failures)
+
+
+def test_exact_boundaries_like_torch():
+    """Coordinates exactly on half-integers (nearest: round half to even), integers and the borders."""
+    failures = []
+    vals = torch.tensor([-1.0, -0.75, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float32)
+    for nd in (2, 3):
+        in_sp = (5, 5) if nd == 2 else (5, 5, 5)
+        mesh = torch.stack(torch.meshgrid(*([vals] * nd), indexing="ij"), dim=-1).reshape(1, -1, 1, nd)
+        grid = (mesh if nd == 2 else mesh.unsqueeze(1)).cuda()
+        for mode in MODES[nd]:
+            for pad in PADS:
+                for align in (False, True):
+                    inp = rand((1, 3, *in_sp), "float32")
+                    go = rand((1, 3, *grid.shape[1:-1]), "float32")
+                    ref = _torch_same_dtype(inp, grid, go, mode, pad, align)
+                    out = gs.grid_sample(inp, grid, mode=mode, padding_mode=pad, align_corners=align)
+                    gi, gg = gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode=pad, align_corners=align)
+                    gid, ggd = gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode=pad,
+                                                       align_corners=align, deterministic=True)
+                    pairs = {"out": (out, ref[0]), "gi": (gi, ref[1]), "gg": (gg, ref[2]), "gi_det": (gid, ref[1]),
+                             "gg_det": (ggd, ref[2])}
+                    bad = [k for k, (a, b) in pairs.items() if not _close(a, b, torch.float32)]
+                    if bad:
+                        failures.append(dict(nd=nd, mode=mode, pad=pad, align=align, bad=bad))
+    _fail_if_any("exact_boundaries", failures)
+
+
+def test_nearest_rounds_half_to_even():
+    inp = torch.arange(5, dtype=torch.float32, device="cuda").view(1, 1, 1, 5)
+    # align_corners=True, W=5: x = 2g + 2 -> 0.5, 1.5, 2.5, 3.5 -> nearbyint: 0, 2, 2, 4
+    g = torch.tensor([-0.75, -0.25, 0.25, 0.75], device="cuda")
+    grid = torch.stack([g, torch.zeros_like(g)], -1).view(1, 1, 4, 2)
+    out = gs.grid_sample(inp, grid, mode="nearest", padding_mode="zeros", align_corners=True)
+    assert out.flatten().tolist() == [0.0, 2.0, 2.0, 4.0]
+    assert torch.equal(out, F.grid_sample(inp, grid, mode="nearest", padding_mode="zeros", align_corners=True))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Finite differences, autograd wrapper, frameworks, streams
+# ------------------------------------------------------------------------------------------------------
+def test_gradcheck_float64_through_the_wrapper():
+    from cudnn_graphs.torch import grid_sample as cg_grid_sample
+
+    torch.manual_seed(7)
+    failures = []
+    for nd in (2, 3):
+        in_sp, out_sp = ((4, 5), (3, 3)) if nd == 2 else ((3, 3, 4), (2, 2, 3))
+        for mode in MODES[nd]:
+            for pad in PADS:
+                for align in (False, True):
+                    inp = rand((1, 2, *in_sp), "float64").requires_grad_()
+                    grid = make_grid(1, out_sp, in_sp, align, "float64", margin=1e-2).requires_grad_()
+                    for det in (False, True):
+                        def fn(i, g, mode=mode, pad=pad, align=align, det=det):
+                            return cg_grid_sample(i, g, mode, pad, align, deterministic=det)
+                        try:
+                            # the atomics of the fast backward may reorder float64 sums: allow for it
+                            ok = torch.autograd.gradcheck(fn, (inp, grid), eps=1e-6, atol=1e-6, rtol=1e-4,
+                                                          nondet_tol=0.0 if det else 1e-12)
+                        except Exception as err:
+                            ok = f"{type(err).__name__}: {str(err)[:300]}"
+                        if ok is not True:
+                            failures.append(dict(nd=nd, mode=mode, pad=pad, align=align, det=det, result=ok))
+    _fail_if_any("gradcheck", failures)
+
+
+def test_torch_wrapper_matches_torch_and_respects_requires_grad():
+    import cudnn_graphs.torch as cgt
+
+    torch.manual_seed(8)
+    x = rand((2, 8, 9, 10), "float32", "channels_last").requires_grad_()
+    grid = make_grid(2, (6, 7), (9, 10), False, "float32").requires_grad_()
+    out = cgt.grid_sample(x, grid, "bilinear", "border", False)
+    ref = F.grid_sample(x, grid, "bilinear", "border", False)
+    assert rel(out, ref) < 1e-5
+    w = torch.randn_like(ref)
+    gx, gg = torch.autograd.grad((out * w).sum(), (x, grid))
+    rx, rg = torch.autograd.grad((ref * w).sum(), (x, grid))
+    assert rel(gx, rx) < 5e-5 and rel(gg, rg) < 5e-5
+    # only the input needs a gradient
+    grid2 = grid.detach()
+    y = cgt.grid_sample(x, grid2, "bicubic", "zeros", True)
+    (g_only,) = torch.autograd.grad(y.sum(), (x,))
+    assert rel(g_only, torch.autograd.grad(F.grid_sample(x, grid2, "bicubic", "zeros", True).sum(), (x,))[0]) < 5e-5
+    # only the grid needs a gradient
+    x2 = x.detach()
+    y = cgt.grid_sample(x2, grid, "bilinear", "reflection", True)
+    (gg_only,) = torch.autograd.grad(y.sum(), (grid,))
+    assert rel(gg_only, torch.autograd.grad(F.grid_sample(x2, grid, "bilinear", "reflection", True).sum(),
+                                            (grid,))[0]) < 5e-5
+    # the module form and the align_corners=None warning
+    m = cgt.GridSample("nearest", "zeros", None, deterministic=True)
+    with pytest.warns(UserWarning, match="align_corners"):
+        assert torch.equal(m(x2, grid2), F.grid_sample(x2, grid2, "nearest", "zeros", False))
+    # CPU tensors go to torch's own op
+    xc, gc = x2.cpu(), grid2.cpu()
+    assert torch.equal(cgt.grid_sample(xc, gc, "bilinear", "zeros", False), F.grid_sample(xc, gc, align_corners=False))
+    with pytest.raises(SpecError):
+        cgt.grid_sample(x2, grid2, "cubic", "zeros", False)
+
+
+def test_wrapper_under_deterministic_algorithms():
+    import cudnn_graphs.torch as cgt
+
+    torch.manual_seed(9)
+    x = rand((2, 16, 12, 12), "float32").requires_grad_()
+    grid = make_grid(2, (40, 40), (12, 12), False, "float32").requires_grad_()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = []
+        for _ in range(3):
+            out = cgt.grid_sample(x, grid, "bilinear", "zeros", False)
+            results.append(torch.autograd.grad(out.square().sum(), (x, grid)))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for r in results[1:]:
+        assert torch.equal(_bits(r[0]), _bits(results[0][0])) and torch.equal(_bits(r[1]), _bits(results[0][1]))
+    out = F.grid_sample(x, grid, "bilinear", "zeros", False)
+    ref = torch.autograd.grad(out.square().sum(), (x, grid))
+    assert rel(results[0][0], ref[0]) < 5e-5 and rel(results[0][1], ref[1]) < 5e-5
+
+
+def test_autocast_casts_to_float32_like_torch():
+    import cudnn_graphs.torch as cgt
+
+    x = rand((1, 4, 6, 6), "float16")
+    grid = make_grid(1, (3, 3), (6, 6), False, "float32")
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = cgt.grid_sample(x, grid, "bilinear", "zeros", False)
+    assert out.dtype == torch.float32
+    assert rel(out, F.grid_sample(x.float(), grid, "bilinear", "zeros", False)) < 1e-5
+
+
+def test_cupy_arrays_in_cupy_arrays_out():
+    cupy = pytest.importorskip("cupy")
+    torch.manual_seed(10)
+    for dtype in ("float32", "float16", "float64"):
+        x = rand((2, 5, 8, 9), dtype, "channels_last")
+        grid = make_grid(2, (4, 6), (8, 9), True, dtype)
+        go = rand((2, 5, 4, 6), dtype, "channels_last")
+        cx, cg, cgo = cupy.asarray(x), cupy.asarray(grid), cupy.asarray(go)
+        out = gs.grid_sample(cx, cg, mode="bicubic", padding_mode="border", align_corners=True)
+        gi, gg = gs.grid_sample_backward(cgo, cx, cg, mode="bicubic", padding_mode="border", align_corners=True,
+                                         deterministic=True)
+        assert isinstance(out, cupy.ndarray) and isinstance(gi, cupy.ndarray) and isinstance(gg, cupy.ndarray)
+        assert gi.strides[1] == gi.itemsize  # channels-last in, channels-last out
+        ref_out, ref_gi, ref_gg = oracle(x, grid, go, "bicubic", "border", True)
+        for a, b in ((out, ref_out), (gi, ref_gi), (gg, ref_gg)):
+            assert rel(torch.as_tensor(a, device="cuda"), b) < TOL[dtype]
+    with pytest.raises(BufferMismatchError, match="framework"):
+        gs.grid_sample(cupy.asarray(rand((1, 1, 3, 3), "float32")), make_grid(1, (2, 2), (3, 3), False, "float32"))
+
+
+def test_runs_on_the_current_stream():
+    """Inputs produced on a busy side stream: kernels launched on any other stream would read them too early."""
+    torch.manual_seed(11)
+    x = rand((4, 32, 40, 40), "float32")
+    grid = make_grid(4, (64, 64), (40, 40), False, "float32")
+    go = rand((4, 32, 64, 64), "float32")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x2, grid2, go2 = x * 1, grid * 1, go * 1
+        out = gs.grid_sample(x2, grid2, mode="bilinear", padding_mode="zeros", align_corners=False)
+        gi, gg = gs.grid_sample_backward(go2, x2, grid2, mode="bilinear", padding_mode="zeros", align_corners=False)
+        gid, ggd = gs.grid_sample_backward(go2, x2, grid2, mode="bilinear", padding_mode="zeros",
+                                           align_corners=False, deterministic=True)
+    torch.cuda.current_stream().wait_stream(side)
+    ref_out, ref_gi, ref_gg = oracle(x, grid, go, "bilinear", "zeros", False)
+    errs = [rel(out, ref_out), rel(gi, ref_gi), rel(gg, ref_gg), rel(gid, ref_gi), rel(ggd, ref_gg)]
+    assert max(errs) < 5e-5, errs
+
+
+# ------------------------------------------------------------------------------------------------------
+# Argument checking, empty tensors, 64-bit sizes
+# ------------------------------------------------------------------------------------------------------
+def test_bad_inputs_are_refused_before_launch():
+    x = rand((2, 3, 5, 6), "float32")
+    g = make_grid(2, (4, 4), (5, 6), False, "float32")
+    go = rand((2, 3, 4, 4), "float32")
+    cases = [
+        (lambda: gs.grid_sample(x, g, mode="area"), SpecError, "mode"),
+        (lambda: gs.grid_sample(x, g, padding_mode="wrap"), SpecError, "padding_mode"),
+        (lambda: gs.grid_sample(rand((1, 1, 3, 3, 3), "float32"), make_grid(1, (2, 2, 2), (3, 3, 3), False, "float32"),
+                                mode="bicubic"), SpecError, "mode"),
+        (lambda: gs.grid_sample(x, g.double()), BufferMismatchError, "dtype"),
+        (lambda: gs.grid_sample(x, g[:1]), BufferMismatchError, "batch"),
+        (lambda: gs.grid_sample(x, torch.cat([g, g[..., :1]], -1)), BufferMismatchError, "last dimension"),
+        (lambda: gs.grid_sample(x[0], g[0]), BufferMismatchError, "rank"),
+        (lambda: gs.grid_sample(x.cpu(), g), BufferMismatchError, "device"),
+        (lambda: gs.grid_sample(x[:, :, :0], g), BufferMismatchError, "spatial"),
+        (lambda: gs.grid_sample_backward(go[:, :2], x, g), BufferMismatchError, "grad_output"),
+        (lambda: gs.grid_sample_backward(go.half(), x, g), BufferMismatchError, "dtype"),
+    ]
+    failures = []
+    for i, (fn, exc, match) in enumerate(cases):
+        try:
+            fn()
+            failures.append(dict(case=i, raised=None))
+        except exc as err:
+            if match not in str(err):
+                failures.append(dict(case=i, message=str(err)))
+        except Exception as err:
+            failures.append(dict(case=i, raised=f"{type(err).__name__}: {err}"))
+    _fail_if_any("bad_inputs", failures)
+
+
+def test_empty_tensors_are_a_no_op():
+    for shape, gshape in [((0, 3, 5, 6), (0, 4, 4, 2)), ((2, 0, 5, 6), (2, 4, 4, 2)), ((2, 3, 5, 6), (2, 0, 4, 2)),
+                          ((2, 3, 4, 5, 6), (2, 3, 0, 4, 3))]:
+        x = rand(shape, "float32")
+        g = torch.rand(gshape, device="cuda") * 2 - 1
+        out = gs.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
+        ref = F.grid_sample(x, g, align_corners=False)
+        assert out.shape == ref.shape
+        go = torch.randn(ref.shape, device="cuda")
+        for det in (False, True):
+            gi, gg = gs.grid_sample_backward(go, x, g, deterministic=det)
+            assert gi.shape == x.shape and gg.shape == g.shape
+            assert not gi.any() and not gg.any()
+    assert gs.grid_sample_backward(go, x, g, input_requires_grad=False, grid_requires_grad=False) == (None, None)
+
+
+def test_more_than_2_31_elements():
+    """64-bit offsets: a float32 image of 46341 x 46341 pixels (2**31 + 4633 elements), sampled at its far corner."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40e9:
+        pytest.skip("needs 40 GB of free GPU memory")
+    torch.manual_seed(12)
+    side = 46341
+    x = torch.empty((1, 1, side, side), dtype=torch.float32, device="cuda").normal_()
+    assert x.numel() > 2**31
+    corners = torch.tensor([[0.99995, 0.99995], [-0.9999, 0.99995], [0.99995, -0.9999], [0.3, 0.7]], device="cuda")
+    grid = torch.cat([corners, torch.rand(12, 2, device="cuda") * 2 - 1]).view(1, 4, 4, 2)
+    go = torch.randn((1, 1, 4, 4), device="cuda")
+    x.requires_grad_()
+    g = grid.clone().requires_grad_()
+    ref_out = F.grid_sample(x, g, mode="bilinear", padding_mode="zeros", align_corners=False)
+    ref_gi, ref_gg = torch.autograd.grad(ref_out, (x, g), go)
+    x = x.detach()
+    out = gs.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    gi, gg = gs.grid_sample_backward(go, x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    errs = {"out": (out - ref_out).abs().max().item(),
+            "gg": ((gg - ref_gg).abs().max() / ref_gg.abs().max()).item()}  # grad_grid ~ W / 2 = 23170
+    errs["gi"] = gi.sub(ref_gi).abs_().max().item()  # one temporary of 8.6 GB
+    far = gi[0, 0, -2:, -2:]
+    assert far.abs().sum().item() > 0, "the far corner (offsets past 2**31) was not written"
+    assert max(errs.values()) < 1e-3, errs
+
+
+# ------------------------------------------------------------------------------------------------------
+# compute-sanitizer memcheck, one configuration per kernel
+# ------------------------------------------------------------------------------------------------------
+SANITIZER_SCRIPT = r"""
+import cupy, numpy as np
+from fallback_kernels import grid_sample as gs
+rng = np.random.default_rng(0)
+def arr(shape, dt):
+    return cupy.asarray(rng.standard_normal(shape).astype(dt))
+for nd, mode in gs.VARIANTS:
+    m = gs.MODES[mode]
+    sp, osp = ((5, 6), (4, 3)) if nd == 2 else ((3, 4, 5), (2, 3, 4))
+    for c, dt in ((6, "float32"), (8, "float16")):
+        x = arr((2, c) + sp, dt)
+        g = cupy.asarray(rng.uniform(-1.2, 1.2, (2,) + osp + (nd,)).astype(dt))
+        go = arr((2, c) + osp, dt)
+        xcl = cupy.ascontiguousarray(cupy.moveaxis(x, 1, -1))
+        xcl = cupy.moveaxis(xcl, -1, 1)  # channels-last strides
+        for inp in (x, xcl):
+            gs.grid_sample(inp, g, mode=m, padding_mode="reflection", align_corners=False)
+            for det in (False, True):
+                gs.grid_sample_backward(go, inp, g, mode=m, padding_mode="border", align_corners=True, deterministic=det)
+cupy.cuda.runtime.deviceSynchronize()
+print("SANITIZER-SCRIPT-OK")
+"""
+
+
+def _sanitizer():
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in sorted(Path("/usr/local").glob("cuda*"), reverse=True):
+        candidate = root / "bin" / "compute-sanitizer"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def test_compute_sanitizer_memcheck():
+    pytest.importorskip("cupy")
+    tool = _sanitizer()
+    if tool is None:
+        pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    start = time.time()
+    proc = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c",
+                           SANITIZER_SCRIPT], capture_output=True, text=True, timeout=90, env=env)
+    text = proc.stdout + proc.stderr
+    summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
+    _report("sanitizer", [] if proc.returncode == 0 else [dict(rc=proc.returncode, tail=text[-3000:])])
+    assert proc.returncode == 0 and "SANITIZER-SCRIPT-OK" in text, text[-3000:]
+    assert summary and "0 errors" in summary[-1], summary
+    print(f"compute-sanitizer memcheck: {summary[-1].strip()} in {time.time() - start:.0f}s")

@@ -1,0 +1,273 @@
+"""grid_sample kernels compile with NVRTC for sm_80 and sm_90 (no GPU), and its argument checking runs on CPU."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from cudnn_graphs.errors import BufferMismatchError, SpecError
+from fallback_kernels import compile as kc
+from fallback_kernels import grid_sample as gs
+
+
+@pytest.mark.parametrize("dtype", list(gs.CTYPES))
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_grid_sample_compiles(arch, dtype):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    names = gs.name_expressions(dtype)
+    lowered = kc.nvrtc_check("grid_sample.cu", names, arch, gs.OPTIONS)
+    assert all(lowered[name] for name in names)  # every instantiation exists
+
+
+def test_every_kernel_and_variant_is_instantiated():
+    names = gs.name_expressions()
+    for dtype, (t, a) in gs.CTYPES.items():
+        for kernel in gs.KERNELS + gs.CELL_KERNELS:
+            for nd, mode in gs.VARIANTS:
+                expected = kernel in gs.KERNELS or mode != gs.BICUBIC  # cell keys: bilinear and nearest only
+                assert (f"{kernel}<{t}, {a}, {nd}, {mode}>" in names) == expected
+        assert f"gs_to_cl<{t}, {t}>" in names and f"gs_from_cl<{a}, {t}>" in names
+    assert "gs_bounds" in names
+    assert (3, gs.BICUBIC) not in gs.VARIANTS  # bicubic is 2-D only
+    assert sorted(set(names)) == sorted(set(n for d in gs.CTYPES for n in gs.name_expressions(d)))
+
+
+def _struct_fields(name: str) -> list[str]:
+    body = gs.source().split(f"struct {name} {{", 1)[1].split("};", 1)[0]
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            assert decl.startswith("long long "), decl
+            fields += [f.strip() for f in decl[len("long long "):].split(",")]
+    return fields
+
+
+def test_structs_match_the_cuda_source():
+    assert _struct_fields("Geo") == list(gs.GEO_FIELDS)
+    assert _struct_fields("Tr") == list(gs.TR_FIELDS)
+    assert gs._GEO_DTYPE.itemsize == 8 * len(gs.GEO_FIELDS)
+
+
+def test_enums_match_the_cuda_source():
+    src = gs.source()
+
+    def enum(first):
+        body = src.split(f"enum {{ {first}", 1)[1].split("}", 1)[0]
+        return [first] + [n.strip() for n in body.split(",") if n.strip()]
+
+    assert enum("MODE_BILINEAR") == [f"MODE_{m.upper()}" for m in gs.MODES]
+    assert enum("PAD_ZEROS") == [f"PAD_{p.upper()}" for p in gs.PADDINGS]
+    flags = dict(re.findall(r"(F_\w+) = (\d+)", src))
+    for name in ("F_GI", "F_GG", "F_IN_VEC", "F_GO_VEC", "F_GI_VEC", "F_POINT_FAST"):
+        assert int(flags[name]) == getattr(gs, name)
+    assert f"#define VEC {gs.VEC}" in src
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(mode="linear"), "mode"), (dict(mode=None), "mode"), (dict(padding_mode="zero"), "padding_mode"),
+    (dict(padding_mode="reflect"), "padding_mode"), (dict(align_corners="yes"), "align_corners"),
+    (dict(align_corners=None), "align_corners"),
+])
+def test_bad_options_raise_spec_error_before_touching_buffers(kwargs, field):
+    opts = dict(mode="bilinear", padding_mode="zeros", align_corners=False) | kwargs
+    cpu = np.zeros((1, 1, 2, 2), np.float32), np.zeros((1, 2, 2, 2), np.float32)
+    with pytest.raises(SpecError) as err:
+        gs.grid_sample(*cpu, **opts)
+    assert err.value.field == field
+    with pytest.raises(SpecError):
+        gs.grid_sample_backward(np.zeros((1, 1, 2, 2), np.float32), *cpu, **opts)
+
+
+def test_host_buffers_are_refused():
+    with pytest.raises(BufferMismatchError) as err:
+        gs.grid_sample(np.zeros((1, 1, 2, 2), np.float32), np.zeros((1, 2, 2, 2), np.float32),
+                       mode="bilinear", padding_mode="zeros", align_corners=False)
+    assert err.value.role == "input"
+
+
+def _geo(ishape, gshape, dtype="float32", gdtype=None, **kw):
+    return gs.geometry(ishape, gshape, dtype, gdtype or dtype, **kw)
+
+
+def test_geometry_of_valid_shapes():
+    g = _geo((2, 3, 5, 7), (2, 4, 6, 2))
+    assert (g.nd, g.N, g.C, g.in_sp, g.out_sp) == (2, 2, 3, (1, 5, 7), (1, 4, 6))
+    assert g.output_shape() == (2, 3, 4, 6)
+    g = _geo((2, 3, 4, 5, 7), (2, 1, 4, 6, 3), mode="nearest", padding_mode="reflection", align_corners=True)
+    assert (g.nd, g.in_sp, g.out_sp, g.mode, g.pad, g.align) == (3, (4, 5, 7), (1, 4, 6), gs.NEAREST, 2, True)
+    assert g.output_shape() == (2, 3, 1, 4, 6)
+    # empty batch, channels or output grid are valid (nothing to do)
+    assert _geo((0, 3, 5, 7), (0, 4, 6, 2)).N == 0
+    assert _geo((2, 0, 5, 7), (2, 4, 6, 2)).C == 0
+    assert _geo((2, 3, 5, 7), (2, 0, 6, 2)).points == 0
+
+
+@pytest.mark.parametrize("ishape, gshape, dtype, gdtype, kw, role, what", [
+    ((2, 3, 5), (2, 4, 2), "float32", None, {}, "input", "rank"),
+    ((2, 3, 5, 7, 1, 1), (2, 4, 6, 2, 1, 1), "float32", None, {}, "input", "rank"),
+    ((2, 3, 5, 7), (2, 4, 6, 4, 3), "float32", None, {}, "grid", "rank"),
+    ((2, 3, 5, 7), (2, 4, 6, 3), "float32", None, {}, "grid", "last dimension"),
+    ((2, 3, 4, 5, 7), (2, 4, 6, 1, 2), "float32", None, {}, "grid", "last dimension"),
+    ((2, 3, 5, 7), (3, 4, 6, 2), "float32", None, {}, "grid", "batch size"),
+    ((2, 3, 0, 7), (2, 4, 6, 2), "float32", None, {}, "input", "spatial size"),
+    ((2, 3, 5, 2**31), (2, 4, 6, 2), "float32", None, {}, "input", "spatial size"),
+    ((2, 3, 5, 7), (2, 4, 6, 2), "int32", None, {}, "input", "dtype"),
+    ((2, 3, 5, 7), (2, 4, 6, 2), "float16", "float32", {}, "grid", "dtype"),
+])
+def test_geometry_refuses(ishape, gshape, dtype, gdtype, kw, role, what):
+    with pytest.raises(BufferMismatchError) as err:
+        _geo(ishape, gshape, dtype, gdtype, **kw)
+    assert (err.value.role, err.value.what) == (role, what)
+
+
+def test_bicubic_is_2d_only():
+    _geo((1, 1, 4, 4), (1, 2, 2, 2), mode="bicubic")
+    with pytest.raises(SpecError) as err:
+        _geo((1, 1, 4, 4, 4), (1, 2, 2, 2, 3), mode="bicubic")
+    assert (err.value.field, err.value.value) == ("mode", "bicubic")
+
+
+def test_grad_output_checks():
+    g = _geo((2, 3, 5, 7), (2, 4, 6, 2))
+    gs._check_grad_output(g, (2, 3, 4, 6), "float32")
+    with pytest.raises(BufferMismatchError, match="grad_output"):
+        gs._check_grad_output(g, (2, 3, 6, 4), "float32")
+    with pytest.raises(BufferMismatchError, match="dtype"):
+        gs._check_grad_output(g, (2, 3, 4, 6), "float16")
+
+
+def test_layout_helpers():
+    shape = (2, 3, 4, 5)
+    assert gs._cl_strides(shape) == (60, 1, 15, 3)
+    assert gs._cl_strides((2, 3, 4, 5, 6)) == (360, 1, 90, 18, 3)
+    assert gs._format_strides(shape, gs._cl_strides(shape), (2, 3, 6, 7)) == gs._cl_strides((2, 3, 6, 7))
+    assert gs._format_strides(shape, (60, 20, 5, 1), (2, 3, 6, 7)) == (126, 42, 7, 1)
+    assert gs._format_strides(shape, (1, 2, 6, 24), shape) == (60, 20, 5, 1)  # neither: contiguous
+    assert gs._lanes_log2(1) == 0 and gs._lanes_log2(4) == 0 and gs._lanes_log2(5) == 1
+    assert gs._lanes_log2(64) == 4 and gs._lanes_log2(32) == 3 and gs._lanes_log2(4096) == 5
+    assert gs._vec_ok(0, gs._cl_strides((2, 4, 4, 5)), (2, 4, 4, 5), 4)
+    assert not gs._vec_ok(0, (60, 20, 5, 1), (2, 4, 4, 5), 4)
+    assert not gs._vec_ok(8, gs._cl_strides((2, 4, 4, 5)), (2, 4, 4, 5), 4)
+
+
+def test_geo_struct_packs_fields_in_order():
+    g = _geo((2, 3, 5, 7), (2, 4, 6, 2), padding_mode="border", align_corners=True)
+    s = gs._geo_struct(g, inp=(1, 2, 3, 4, 5), grid=(6, 7, 8, 9, 10), go=(11, 12, 13, 14, 15), lanes_log2=2,
+                       flags=gs.F_GI | gs.F_GG)
+    values = s.view(np.int64).tolist()
+    assert values == [2, 3, 1, 5, 7, 1, 4, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 1, 2, 3]
+
+
+def test_backward_guarantee():
+    g = gs.backward_guarantee(deterministic=True, dtype="float16")
+    assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "float32", "sorted-gather")
+    g = gs.backward_guarantee(deterministic=False, dtype="float64")
+    assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (False, "float64", "atomic-scatter")
+    with pytest.raises(SpecError):
+        gs.backward_guarantee(deterministic=False, dtype="int8")
+
+
+def _kernel_arity() -> dict[str, int]:
+    """Parameter count of every __global__ function in grid_sample.cu."""
+    src = gs.source()
+    arity = {}
+    for m in re.finditer(r"__global__ void (?:__launch_bounds__\([^)]*\)\)?\s*)?(\w+)\(([^)]*)\)", src):
+        name, params = m.group(1), m.group(2)
+        arity[name] = len([p for p in params.split(",") if p.strip()])
+    return arity
+
+
+class _FakeFunction:
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.fixture
+def cpu_plans(monkeypatch):
+    """Plans built on CPU: kernels are looked up by name only, never compiled or launched."""
+    names = set(gs.name_expressions())
+    monkeypatch.setattr(gs, "_functions", lambda device, dtype, options: {
+        n: _FakeFunction(n) for n in names})
+    gs._forward_plan.cache_clear()
+    gs._backward_plan.cache_clear()
+    yield
+    gs._forward_plan.cache_clear()
+    gs._backward_plan.cache_clear()
+
+
+def _check_plan(plan, external):
+    arity = _kernel_arity()
+    assert set(arity) >= {"gs_forward", "gs_backward", "gs_keys", "gs_gather", "gs_bounds", "gs_to_cl", "gs_from_cl",
+                          "gs_cell_keys", "gs_cell_gather"}
+    known = set(external) | {name for name, _ in plan.scratch}
+    for op in plan.ops:
+        refs = [a for a in (op[4] if op[0] == "launch" else op[1:2]) if isinstance(a, gs._Ref)]
+        assert all(r.name in known for r in refs), op
+        if op[0] == "launch":
+            _, fn, grid, block, args, name = op
+            assert name == fn.name
+            base = fn.name.split("<")[0]
+            assert len(args) == arity[base], (fn.name, len(args))
+            assert all(0 < d < 2**31 for d in grid) and grid[1:] <= (65535, 65535)[: len(grid) - 1]
+            assert 0 < __import__("math").prod(block) <= 1024
+            for a in args:
+                if isinstance(a, np.ndarray):
+                    assert a.dtype in (gs._GEO_DTYPE, gs._TR_DTYPE) and a.shape == (1,)
+        elif op[0] == "zero":
+            assert op[2] > 0
+
+
+def _layouts(shape):
+    yield gs._contiguous_strides(shape)
+    yield gs._cl_strides(shape)
+    yield tuple(s * 2 for s in gs._contiguous_strides(shape))  # a strided view
+
+
+@pytest.mark.parametrize("det_keys", ["cell", "tap"])
+@pytest.mark.parametrize("nd", [2, 3])
+def test_plans_for_every_configuration_build_on_cpu(cpu_plans, monkeypatch, nd, det_keys):
+    monkeypatch.setitem(gs.TUNING, "det_keys", det_keys)
+    ishape = (2, 6, 5, 7) if nd == 2 else (2, 6, 4, 5, 7)
+    gshape = (2, 3, 4, 2) if nd == 2 else (2, 2, 3, 4, 3)
+    oshape = ishape[:2] + gshape[1:-1]
+    for dtype in gs.CTYPES:
+        for mode in gs.MODES:
+            if nd == 3 and mode == "bicubic":
+                continue
+            for strides in _layouts(ishape):
+                ikey = (ishape, strides, dtype, 0)
+                gkey = (gshape, gs._contiguous_strides(gshape), dtype, 0)
+                okey = (oshape, gs._format_strides(ishape, strides, oshape), dtype, 0)
+                plan = gs._forward_plan(0, ikey, gkey, mode, "border", True, gs._tuning_key())
+                _check_plan(plan, {"input", "grid", "output"})
+                assert plan.outputs["output"].shape == oshape
+                for det in (False, True):
+                    for need in ((True, True), (True, False), (False, True)):
+                        plan = gs._backward_plan(0, okey, ikey, gkey, mode, "zeros", False, *need, det,
+                                                 gs._tuning_key())
+                        _check_plan(plan, {"grad_output", "input", "grid", "grad_input", "grad_grid"})
+                        assert set(plan.outputs) == {r for r, n in zip(("grad_input", "grad_grid"), need) if n}
+                        if need[0]:
+                            assert plan.outputs["grad_input"].strides == gs._format_strides(ishape, strides, ishape)
+                        if det and need[0]:
+                            assert any(op[0] == "sort" for op in plan.ops)
+                            cell = det_keys == "cell" and mode != "bicubic"
+                            kernels = {op[5].split("<")[0] for op in plan.ops if op[0] == "launch"}
+                            assert ("gs_cell_gather" in kernels) == cell and ("gs_gather" in kernels) == (not cell)
+
+
+def test_empty_plans_launch_nothing(cpu_plans):
+    for ishape, gshape in [((0, 3, 5, 6), (0, 4, 4, 2)), ((2, 0, 5, 6), (2, 4, 4, 2)), ((2, 3, 5, 6), (2, 0, 4, 2))]:
+        ikey = (ishape, gs._contiguous_strides(ishape), "float32", 0)
+        gkey = (gshape, gs._contiguous_strides(gshape), "float32", 0)
+        oshape = ishape[:2] + gshape[1:-1]
+        okey = (oshape, gs._contiguous_strides(oshape), "float32", 0)
+        assert not gs._forward_plan(0, ikey, gkey, "bilinear", "zeros", False, gs._tuning_key()).ops
+        for det in (False, True):
+            plan = gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, True, True, det,
+                                     gs._tuning_key())
+            assert all(op[0] == "zero" for op in plan.ops)
