@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import re
 from typing import Any, Sequence
 
 from cudnn_graphs.errors import KernelCompileError
@@ -16,9 +17,15 @@ from cudnn_graphs.errors import KernelCompileError
 BASE_OPTIONS = ("--std=c++17",)
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.M)
+
+
 def source(filename: str) -> str:
-    """The text of a kernel source shipped in this package."""
-    return importlib.resources.files(__package__).joinpath(filename).read_text()
+    """The text of a kernel source shipped in this package, with its local `#include "x.cuh"` lines
+    replaced by the headers' text: NVRTC then needs no include path, and CuPy's on-disk kernel cache,
+    which keys on the source text alone, sees every change to a header."""
+    text = importlib.resources.files(__package__).joinpath(filename).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)), text)
 
 
 @functools.lru_cache(maxsize=None)

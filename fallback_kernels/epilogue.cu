@@ -2,27 +2,7 @@
 // dx = acc * act'(pre), db = sum(dy). T: io type, A: math type, C: type the conv wrote acc in. Header-free (no cuda_fp16.h / cuda_bf16.h) so NVRTC needs no
 // CUDA toolkit include path. acc is the conv output in the accumulation type A.
 
-struct half_t { unsigned short v; };
-struct bf16_t { unsigned short v; };
-
-__device__ __forceinline__ float to_acc(half_t h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.v)); return f; }
-__device__ __forceinline__ float to_acc(bf16_t h) { return __uint_as_float(((unsigned int)h.v) << 16); }
-__device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-
-template <typename T> __device__ __forceinline__ T from_acc(float x);
-template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) { half_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.v) : "f"(x)); return h; }
-template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(float x) {
-    unsigned int u = __float_as_uint(x);
-    bf16_t h;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { h.v = 0x7fc0; return h; }  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-    h.v = (unsigned short)(u >> 16);
-    return h;
-}
-template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
-template <typename T> __device__ __forceinline__ T from_acc(double x);
-template <> __device__ __forceinline__ double from_acc<double>(double x) { return x; }
+#include "types.cuh"
 
 __device__ __forceinline__ float m_exp(float x) { return expf(x); }
 __device__ __forceinline__ double m_exp(double x) { return exp(x); }
@@ -33,45 +13,7 @@ __device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float m_log1p(float x) { return log1pf(x); }
 __device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
 
-// Activation codes, shared with epilogue.py.
-enum { ACT_IDENTITY, ACT_RELU, ACT_LEAKY, ACT_ELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_SIGMOID, ACT_TANH, ACT_SOFTPLUS };
-
-template <typename A> __device__ A act_fwd(A x, int act, A p) {
-    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-    switch (act) {
-        case ACT_RELU: return x > A(0) ? x : A(0);
-        case ACT_LEAKY: return x > A(0) ? x : p * x;
-        case ACT_ELU: return x > A(0) ? x : p * (m_exp(x) - A(1));
-        case ACT_GELU: return A(0.5) * x * (A(1) + m_erf(x * A(0.7071067811865476)));
-        case ACT_GELU_TANH: return A(0.5) * x * (A(1) + m_tanh(k0 * (x + k1 * x * x * x)));
-        case ACT_SILU: return x / (A(1) + m_exp(-x));
-        case ACT_SIGMOID: return A(1) / (A(1) + m_exp(-x));
-        case ACT_TANH: return m_tanh(x);
-        // Exact, overflow-free, no threshold: the same function as cuDNN's fused softplus.
-        case ACT_SOFTPLUS: { A b = p * x; return ((b > A(0) ? b : A(0)) + m_log1p(m_exp(-(b > A(0) ? b : -b)))) / p; }
-        default: return x;
-    }
-}
-
-template <typename A> __device__ A act_grad(A x, int act, A p) {
-    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-    switch (act) {
-        case ACT_RELU: return x > A(0) ? A(1) : A(0);
-        case ACT_LEAKY: return x > A(0) ? A(1) : p;
-        case ACT_ELU: return x > A(0) ? A(1) : p * m_exp(x);
-        case ACT_GELU: return A(0.5) * (A(1) + m_erf(x * A(0.7071067811865476)))
-                              + x * A(0.3989422804014327) * m_exp(A(-0.5) * x * x);
-        case ACT_GELU_TANH: {
-            A t = m_tanh(k0 * (x + k1 * x * x * x));
-            return A(0.5) * (A(1) + t) + A(0.5) * x * (A(1) - t * t) * k0 * (A(1) + A(3) * k1 * x * x);
-        }
-        case ACT_SILU: { A s = A(1) / (A(1) + m_exp(-x)); return s * (A(1) + x * (A(1) - s)); }
-        case ACT_SIGMOID: { A s = A(1) / (A(1) + m_exp(-x)); return s * (A(1) - s); }
-        case ACT_TANH: { A t = m_tanh(x); return A(1) - t * t; }
-        case ACT_SOFTPLUS: return A(1) / (A(1) + m_exp(-p * x));
-        default: return A(1);
-    }
-}
+#include "activations.cuh"
 
 // meta: rank, shape[5], then 5 strides for each of up to 4 tensors (elements; logical N, C, ...).
 __device__ __forceinline__ void offsets(long long i, const long long* meta, int ntensors, long long* off) {

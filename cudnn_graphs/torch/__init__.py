@@ -11,8 +11,8 @@ from typing import Any
 _EXPORTS = {
     "grid_sample": "_grid_sample",
     "GridSample": "_grid_sample",
-    "linear_act": "linear_act",
-    "LinearAct": "linear_act",
+    "linear_act": "_linear_act",
+    "LinearAct": "_linear_act",
 }
 __all__ = sorted(_EXPORTS)
 
