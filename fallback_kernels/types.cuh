@@ -13,11 +13,15 @@ __device__ __forceinline__ double to_acc(double x) { return x; }
 template <typename T> __device__ __forceinline__ T from_acc(float x);
 template <> __device__ __forceinline__ half_t from_acc<half_t>(float x) { half_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.v) : "f"(x)); return h; }
 template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(float x) {
-    unsigned int u = __float_as_uint(x);
     bf16_t h;
+#if __CUDA_ARCH__ >= 800
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.v) : "f"(x));  // one instruction: elementwise passes are bound by it
+#else
+    unsigned int u = __float_as_uint(x);
     if ((u & 0x7fffffffu) > 0x7f800000u) { h.v = 0x7fc0; return h; }  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
     h.v = (unsigned short)(u >> 16);
+#endif
     return h;
 }
 template <> __device__ __forceinline__ float from_acc<float>(float x) { return x; }
