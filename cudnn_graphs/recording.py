@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Iterator
 
 from . import config
 
+log = logging.getLogger("cudnn_graphs")
 _lock = threading.Lock()
 _active: list["Recorder"] = []
 _from_env: dict[str, "Recorder"] = {}
@@ -27,9 +29,9 @@ class Recorder:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path).expanduser()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._seen: set[str] = set()
         self._loaded_size = -1
+        self.failed = False  # set after a write error: warned once, then skipped
 
     def note(self, spec) -> bool:
         """Append `spec` unless the file already has it; True when a line was written."""
@@ -38,6 +40,7 @@ class Recorder:
             return False
         import filelock
 
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # One lock across processes: read what others appended, then append ours only if still new.
         with filelock.FileLock(f"{self.path}.lock", timeout=30):
             self._refresh()
@@ -103,4 +106,10 @@ def note(spec) -> None:
             recorder = _from_env.get(target) or _from_env.setdefault(target, Recorder(target))
         recorders.append(recorder)
     for recorder in recorders:
-        recorder.note(spec)
+        if recorder.failed:
+            continue
+        try:
+            recorder.note(spec)
+        except (OSError, TimeoutError) as err:  # recording must never stop the job it records
+            recorder.failed = True
+            log.warning("record mode: cannot append to %s (%s); recording stops for this file", recorder.path, err)

@@ -144,3 +144,13 @@ def test_processes_recording_into_one_file_never_duplicate(tmp_path):
         assert p.exitcode == 0
     lines = path.read_text().splitlines()
     assert len(lines) == len(set(lines)) == 6
+
+
+def test_a_recording_that_cannot_write_warns_once_and_never_raises(tmp_path, caplog, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(config.RECORD, str(blocker / "specs.jsonl"))  # its parent is a file: every write fails
+    with caplog.at_level("WARNING", logger="cudnn_graphs"):
+        recording.note(cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3)))
+        recording.note(cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), stride=2))
+    assert sum("record mode" in r.getMessage() for r in caplog.records) == 1
