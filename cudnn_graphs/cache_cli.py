@@ -22,7 +22,7 @@ from plan_cache.errors import CorruptRecordError
 from plan_cache.record import MAX_RECORD_BYTES, decode
 
 from . import config
-from .cache.policy import for_machine, keep_existing, verify_load
+from .cache.policy import for_machine, keep_stored, verify_load
 from .environment import NO_GPU, environment
 from .errors import CudnnGraphsError
 from .spec import SPEC_TYPES, spec_from_dict
@@ -467,7 +467,7 @@ def _import(store: PlanStore, args) -> int:
     env = None if args.all else environment(args.device)
     accept = None if env is None else (lambda record: for_machine(record.meta, env))
     try:
-        report = import_bundle(store, args.file, accept=accept, keep_existing=_keep)
+        report = import_bundle(store, args.file, accept=accept, keep_existing=keep_stored)
     except OSError as err:
         raise _Exit(f"cannot read {args.file}: {err.strerror or err}") from None
     print(_table(["IMPORT", "RECORDS"], [
@@ -477,10 +477,6 @@ def _import(store: PlanStore, args) -> int:
     if report.skipped_rejected:
         print("\n" + _foreign_note(env))
     return 1 if report.corrupt or report.failed else 0
-
-
-def _keep(new: PlanRecord, old: PlanRecord) -> bool:
-    return keep_existing(new.meta)(old)
 
 
 def _foreign_note(env) -> str:

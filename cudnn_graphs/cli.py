@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from . import config
 from ._version import __version__
 from .cache_cli import add_cache_parser, run_cache
 from .environment import environment
 from .errors import CudnnGraphsError, SpecError
+from .recording import read_spec_file
 from .signature import signature
 from .spec import spec_from_dict
 
@@ -71,26 +72,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _read_specs(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
-    """(file, line number, dict or None, error or None) for every non-blank, non-comment line."""
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
-    with stream:
-        for number, line in enumerate(stream, 1):
-            text = line.strip()
-            if not text or text.startswith("#"):
-                continue
-            try:
-                yield path, number, json.loads(text), None
-            except json.JSONDecodeError as err:
-                yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
-
-
 def _check(args) -> int:
     from .graph import build_graph
 
     failures = 0
     env = environment()
-    for path, number, data, error in (item for f in args.specfile for item in _read_specs(f)):
+    for path, number, data, error in (item for f in args.specfile for item in read_spec_file(f)):
         try:
             if error is not None:
                 raise SpecError("line", number, error)

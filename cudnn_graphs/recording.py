@@ -1,4 +1,4 @@
-"""Record mode: every spec the program plans is appended to a spec file, once.
+"""Spec files: reading them, and record mode, where every spec the program plans is appended once.
 
 Run a job once under `with cudnn_graphs.record("specs.jsonl"):` (or with $CUDNN_GRAPHS_RECORD set),
 then `cudnn-graphs warmup specs.jsonl` fills the cache before every later job. Lines are JSON of
@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -67,6 +68,21 @@ class Recorder:
                 if canonical is not None:
                     self._seen.add(canonical)
         self._loaded_size = size
+
+
+def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
+    """(file, line number, dict or None, error or None) for every non-blank, non-comment line of a
+    spec file ('-' reads standard input); the caller turns each dict into a spec and reports errors."""
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    with stream:
+        for number, line in enumerate(stream, 1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            try:
+                yield path, number, json.loads(text), None
+            except json.JSONDecodeError as err:
+                yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
 
 
 def spec_line(spec) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .errors import CudnnGraphsError, SpecError, UnsupportedGraphError
+from .recording import read_spec_file
 from .spec import spec_from_dict
 
 OUTCOMES = ("cached", "built", "autotuned", "unsupported", "failed")
@@ -36,12 +37,10 @@ class Summary:
 
 def collect(args) -> tuple[list[SpecSource], list[str]]:
     """Distinct specs from the spec files then the preset, and one message per bad spec-file line."""
-    from .cli import _read_specs
-
     sources: dict[Any, SpecSource] = {}
     errors: list[str] = []
     for path in args.specfile:
-        for _, number, data, error in _read_specs(path):
+        for _, number, data, error in read_spec_file(path):
             where = f"{path}:{number}"
             try:
                 if error is not None:
@@ -119,7 +118,7 @@ def _plan_all(sources: list[SpecSource], args) -> Summary:
 
 
 def _plan_one(session, source: SpecSource) -> tuple[str, float, str, str]:
-    before = session.stats()
+    before = session.counters()  # not stats(): that scans the cache directory
     start = time.perf_counter()
     try:
         session.plan(source.spec)
@@ -128,7 +127,7 @@ def _plan_one(session, source: SpecSource) -> tuple[str, float, str, str]:
     except Exception as err:  # one bad spec must not stop the warm-up of the rest
         return "failed", time.perf_counter() - start, source.where, f"{describe_spec(source.spec)}: " \
                                                                     f"{type(err).__name__}: {err}"
-    after = session.stats()
+    after = session.counters()
     return _outcome(before, after), time.perf_counter() - start, "", ""
 
 

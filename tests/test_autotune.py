@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import ConfigError, config
-from cudnn_graphs.cache import LoadOutcome, keep_existing, rank
+from cudnn_graphs.cache import LoadOutcome, keep_stored, rank
 from cudnn_graphs.plan import autotune
 from plan_cache import PlanRecord, PlanStore
 
@@ -100,11 +102,16 @@ def test_autotuned_record_is_never_replaced_by_a_heuristic_one(tmp_path):
     store = PlanStore(tmp_path / "c")
     tuned, heur = {"chosen_by": "autotune"}, {"chosen_by": "heuristics"}
     assert rank(tuned) > rank(heur)
-    assert store.put(PlanRecord("k", b"h", heur), keep_existing=keep_existing(heur))
-    assert store.put(PlanRecord("k", b"t", tuned), keep_existing=keep_existing(tuned))  # upgrade
-    assert not store.put(PlanRecord("k", b"h2", heur), keep_existing=keep_existing(heur))
+
+    def put(blob, meta):
+        record = PlanRecord("k", blob, meta)
+        return store.put(record, keep_existing=functools.partial(keep_stored, record))
+
+    assert put(b"h", heur)
+    assert put(b"t", tuned)  # upgrade
+    assert not put(b"h2", heur)
     assert store.get("k").blob == b"t"
-    assert store.put(PlanRecord("k", b"t2", tuned), keep_existing=keep_existing(tuned))  # a newer tuning
+    assert put(b"t2", tuned)  # a newer tuning
 
 
 def test_autotune_session_retunes_a_heuristic_record(tmp_path, monkeypatch):

@@ -121,11 +121,16 @@ def test_cuda_graph_capture_replays_with_new_data(fused):
     with torch.cuda.stream(side):
         graph = session.plan(spec).bind(**bufs).capture()
         for _ in range(2):
-            bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))  # fresh inputs, same memory
-            bufs["y"].fill_(float("nan"))
-            graph.replay()
-            side.synchronize()
-            assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"]
+            assert _rerun_err(spec, bufs, graph.replay, side) < ref.TOLERANCE["float16"]
+
+
+def _rerun_err(spec, bufs, run, stream) -> float:
+    """Fresh inputs in the same memory, a poisoned output, `run()`, then the forward's error."""
+    bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))
+    bufs["y"].fill_(float("nan"))
+    run()
+    stream.synchronize()
+    return _err(bufs["y"], ref.fwd(spec, bufs))
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -138,21 +143,13 @@ def test_bound_launch_replays_a_graph_from_the_second_launch(fused):
     with torch.cuda.stream(side):
         bound = session.plan(spec).bind(**bufs)
         for i in range(4):
-            bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))  # fresh inputs, same memory
-            bufs["y"].fill_(float("nan"))
-            bound.launch()
-            side.synchronize()
-            assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"], i
+            assert _rerun_err(spec, bufs, bound.launch, side) < ref.TOLERANCE["float16"], i
             assert (bound._replay is not None) == (i >= 1)
         # Inside the caller's own capture, launch() records its calls into their graph instead.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             bound.launch()
-        bufs["x"].copy_(torch.randn_like(bufs["x"], dtype=torch.float32))
-        bufs["y"].fill_(float("nan"))
-        graph.replay()
-        side.synchronize()
-        assert _err(bufs["y"], ref.fwd(spec, bufs)) < ref.TOLERANCE["float16"]
+        assert _rerun_err(spec, bufs, graph.replay, side) < ref.TOLERANCE["float16"]
     never = session.plan(spec).bind(cuda_graph=False, **bufs)
     for _ in range(3):
         never.launch()

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from cudnn_graphs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, signature
-from cudnn_graphs.cache.policy import keep_existing as policy_keep_existing
+from cudnn_graphs.cache.policy import keep_stored as policy_keep
 from cudnn_graphs.environment import Environment
 from plan_cache import CacheError, CorruptRecordError, PlanRecord, PlanStore
 from plan_cache import record as record_mod
@@ -36,10 +36,6 @@ def make_record(spec=SPECS[0], env=H100, *, chosen_by="heuristics", blob=b"\x01p
                        "knobs": {"k2": 1, "k3": 0}, "workspace_size": 4096, "behavior_notes": []}],
             "chosen_by": chosen_by, "created": time.time(), "build_ms": 12.5}
     return PlanRecord(key=signature(spec, env), blob=blob, meta=meta)
-
-
-def policy_keep(new: PlanRecord, old: PlanRecord) -> bool:
-    return policy_keep_existing(new.meta)(old)
 
 
 @pytest.fixture

@@ -17,12 +17,10 @@ def rank(meta: dict) -> int:
     return 1 if meta.get("chosen_by") == AUTOTUNE else 0
 
 
-def keep_existing(new_meta: dict):
-    """For `PlanStore.put(keep_existing=...)`: keep the stored record when it outranks the new one."""
-    def keep(old) -> bool:
-        return rank(old.meta) > rank(new_meta)
-
-    return keep
+def keep_stored(new, old) -> bool:
+    """Whether the stored record `old` stays when `new` arrives: when it outranks it. For
+    `PlanStore.put(keep_existing=partial(keep_stored, new))` and `import_bundle(keep_existing=keep_stored)`."""
+    return rank(old.meta) > rank(new.meta)
 
 
 def machine_fields(env: dict) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..cache import keep_existing, load_plan, open_store, plan_to_record, rank
+from ..cache import keep_stored, load_plan, open_store, plan_to_record, rank
 from ..environment import environment
 from ..errors import BufferMismatchError, UnsupportedGraphError
 from ..graph import build_graph, frontend
@@ -160,12 +160,16 @@ class Session:
             return
         record = plan_to_record(plan, env=self.env)
         # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
-        if self.store.put(record, keep_existing=keep_existing(record.meta)):
+        if self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
             self._counts["disk_writes"] += 1
+
+    def counters(self) -> dict[str, Any]:
+        """This session's counters alone (memory/disk hits, builds, autotunes, timings, ...): no disk access."""
+        return dict(self._counts)
 
     def stats(self) -> dict[str, Any]:
         """Where plans came from in this session, and the time spent building and loading them."""
-        out: dict[str, Any] = dict(self._counts)
+        out: dict[str, Any] = self.counters()
         out["build_ms"], out["load_ms"] = round(out["build_ms"], 3), round(out["load_ms"], 3)
         out["in_memory"] = len(self._memory)
         store = self.store.stats() if self.store is not None else {}
