@@ -7,7 +7,11 @@ relu') and wgrad (with the bias gradient) in reverse order, at batch 32, fp16 ch
 runs in a fresh process, timed from just before the process is started to the end of its step:
   a) torch, cudnn.benchmark=True       b) ours, cold cache, heuristic plans
   c) ours, cold cache, autotuned       d) ours, warm cache after (c)
+"Ours" is a process of this library and CuPy alone (buffers from CuPy): the library needs no torch.
+(d) runs a second time in a process that imports torch and allocates with it, as a training job
+would; torch's own import (seconds) is then in both (a) and (d) and bounds their ratio.
 CUDA_CACHE_DISABLE=1 keeps the driver's JIT cache from carrying compiled kernels between processes.
+Run `python3 -m compileall` over the library first: an installed package has its bytecode.
 """
 
 from __future__ import annotations
@@ -25,24 +29,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def child(mode: str, batch: int, limit: int | None) -> dict:
+def child(mode: str, batch: int, limit: int | None, framework: str) -> dict:
     marks = {"python_started": time.time()}
-    import torch
-
-    marks["torch_imported"] = time.time()
-    torch.cuda.init()
-    torch.empty(1, device="cuda")
+    xp = _framework(framework)
+    marks["framework_imported"] = time.time()
+    xp.empty(1, device="cuda") if framework == "torch" else xp.cuda.runtime.free(0)  # creates the CUDA context
     marks["cuda_context"] = time.time()
     from cudnn_graphs.presets import layer_specs, resnet_layers
 
     layers = [(layer, list(layer_specs(layer, batch=batch, dtype="float16", layout="channels_last")))
               for layer in resnet_layers("resnet50")]
-    bufs = [[_buffers(spec, torch) for spec in specs] for _, specs in layers]
-    torch.cuda.synchronize()
+    make = _torch_buffers if framework == "torch" else _cupy_buffers
+    bufs = [[make(spec, xp) for spec in specs] for _, specs in layers]
+    _synchronize(xp, framework)
     ready = marks["buffers_ready"] = time.time()
     if mode == "torch":
-        torch.backends.cudnn.benchmark = True
-        _torch_step(layers, bufs, torch)
+        xp.backends.cudnn.benchmark = True
+        _torch_step(layers, bufs, xp)
         stats = {}
     else:
         import cudnn
@@ -63,15 +66,46 @@ def child(mode: str, batch: int, limit: int | None) -> dict:
                     session.plan(spec).execute(**b)
         stats = session.stats()
         stats["chosen_by"] = sorted({session.plan(s).chosen_by for _, specs in layers for s in specs})
-    torch.cuda.synchronize()
-    return {"done": time.time(), "ready": ready, "stats": stats, "marks": marks}
+    _synchronize(xp, framework)
+    return {"done": time.time(), "ready": ready, "stats": stats, "marks": marks,
+            "torch_in_process": "torch" in sys.modules}
 
 
-def _buffers(spec, torch) -> dict:
+def _framework(name: str):
+    if name == "torch":
+        import torch
+
+        return torch
+    import cupy
+
+    return cupy
+
+
+def _synchronize(xp, framework: str) -> None:
+    xp.cuda.synchronize() if framework == "torch" else xp.cuda.Device().synchronize()
+
+
+_OUTPUTS = ("y", "dx", "dw", "db")  # poisoned with NaN; every other role gets fresh normal values
+
+
+def _torch_buffers(spec, torch) -> dict:
     out = {}
     for role, desc in spec.tensors().items():
         t = torch.empty_strided(desc.shape, desc.strides, dtype=torch.float16, device="cuda")
-        out[role] = t.normal_() if role not in ("y", "dx", "dw", "db") else t.fill_(float("nan"))
+        out[role] = t.normal_() if role not in _OUTPUTS else t.fill_(float("nan"))
+    return out
+
+
+def _cupy_buffers(spec, cp) -> dict:
+    out = {}
+    for role, desc in spec.tensors().items():
+        extent = 1 + sum((n - 1) * st for n, st in zip(desc.shape, desc.strides))
+        flat = cp.empty(extent, dtype=cp.float16)
+        if role in _OUTPUTS:
+            flat.fill(float("nan"))
+        else:
+            flat[...] = cp.random.standard_normal(extent, dtype=cp.float32)
+        out[role] = cp.ndarray(desc.shape, cp.float16, flat.data, strides=tuple(2 * st for st in desc.strides))
     return out
 
 
@@ -99,10 +133,10 @@ def _torch_step(layers, bufs, torch) -> None:
                 b["db"].copy_(db)
 
 
-def run_child(mode: str, cache: Path, args) -> dict:
+def run_child(mode: str, cache: Path, args, framework: str = "cupy") -> dict:
     env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache), CUDA_CACHE_DISABLE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, __file__, "--child", mode, "--batch", str(args.batch)]
+    cmd = [sys.executable, __file__, "--child", mode, "--framework", framework, "--batch", str(args.batch)]
     if args.autotune_limit:
         cmd += ["--autotune-limit", str(args.autotune_limit)]
     start = time.time()
@@ -111,7 +145,7 @@ def run_child(mode: str, cache: Path, args) -> dict:
         raise SystemExit(f"{mode} failed:\n{proc.stderr[-4000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["seconds"] = out["done"] - start
-    out["setup_seconds"] = out["ready"] - start  # interpreter, imports, buffers: the same for every way
+    out["setup_seconds"] = out["ready"] - start  # interpreter, framework import, CUDA context, buffers
     out["marks"] = {name: round(t - start, 3) for name, t in out["marks"].items()}  # seconds since the spawn
     return out
 
@@ -119,30 +153,34 @@ def run_child(mode: str, cache: Path, args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--framework", choices=("cupy", "torch"), default="cupy", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--autotune-limit", type=int, default=None,
                    help="candidates timed per graph in (c) (default: all; torch's benchmark_limit is 10)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.batch, args.autotune_limit)))
+        print(json.dumps(child(args.child, args.batch, args.autotune_limit, args.framework)))
         return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         heur, tuned = Path(tmp, "heuristic"), Path(tmp, "autotune")
-        for name, mode, cache in [("a_torch_benchmark", "torch", Path(tmp, "unused")),
-                                  ("b_cold_heuristic", "heuristic", heur), ("c_cold_autotune", "autotune", tuned),
-                                  ("d_warm_after_autotune", "warm", tuned)]:
-            results[name] = run_child(mode, cache, args)
-            print(f"{name:24s} {results[name]['seconds']:8.2f} s   (setup {results[name]['setup_seconds']:.2f} s)  "
+        for name, mode, cache, framework in [
+                ("a_torch_benchmark", "torch", Path(tmp, "unused"), "torch"),
+                ("b_cold_heuristic", "heuristic", heur, "cupy"), ("c_cold_autotune", "autotune", tuned, "cupy"),
+                ("d_warm_after_autotune", "warm", tuned, "cupy"),
+                ("d_warm_after_autotune_torch_process", "warm", tuned, "torch")]:
+            results[name] = run_child(mode, cache, args, framework)
+            print(f"{name:36s} {results[name]['seconds']:8.2f} s   (setup {results[name]['setup_seconds']:.2f} s)  "
                   f"{results[name]['marks']} {results[name]['stats']}", flush=True)
-    a, c, d = (results[k]["seconds"] for k in ("a_torch_benchmark", "c_cold_autotune", "d_warm_after_autotune"))
-    setup = results["d_warm_after_autotune"]["setup_seconds"]
-    summary = {"warm_vs_torch": a / d, "warm_vs_cold_autotune": c / d,
-               "step_only_warm_vs_torch": (a - results["a_torch_benchmark"]["setup_seconds"]) / (d - setup),
-               "warm_plans_autotuned": results["d_warm_after_autotune"]["stats"].get("chosen_by") == ["autotune"],
-               "warm_builds_and_timings": [results["d_warm_after_autotune"]["stats"].get(k)
-                                           for k in ("builds", "autotuned", "timings")]}
+    a, c, d, dt = (results[k]["seconds"] for k in ("a_torch_benchmark", "c_cold_autotune", "d_warm_after_autotune",
+                                                  "d_warm_after_autotune_torch_process"))
+    step = {k: r["seconds"] - r["setup_seconds"] for k, r in results.items()}
+    warm = results["d_warm_after_autotune"]["stats"]
+    summary = {"warm_vs_torch": a / d, "warm_vs_cold_autotune": c / d, "warm_in_torch_process_vs_torch": a / dt,
+               "step_only_warm_vs_torch": step["a_torch_benchmark"] / step["d_warm_after_autotune"],
+               "warm_plans_autotuned": warm.get("chosen_by") == ["autotune"],
+               "warm_builds_and_timings": [warm.get(k) for k in ("builds", "autotuned", "timings")]}
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"batch": args.batch, "autotune_limit": args.autotune_limit,
