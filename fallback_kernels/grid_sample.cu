@@ -15,6 +15,9 @@
 //                (point, tap) = destination pixel * (P * taps) + point * taps + tap, sorted (unique keys,
 //                so any sort gives the same order), then one lane group per destination pixel sums its
 //                contributions in key order and writes once.
+//   gs_absmax / gs_count / (scan) / gs_place / gs_gather_exact   the deterministic backward for 16- and 32-bit
+//                inputs: a counting sort by destination pixel (no order within a pixel), then exact sums in
+//                int64 fixed point, which do not depend on the order.
 //   gs_to_cl / gs_from_cl   tiled transposes between any-strided (N, C, spatial) and channels-last.
 //
 // All element offsets are 64-bit; pixel coordinates are int, as in ATen (sizes are checked on the host).
@@ -624,6 +627,18 @@ __device__ __forceinline__ A tap_weight(const A c[ND], int k) {
     }
 }
 
+// Point p of batch item n: its coordinates (point_coords), also stored to out[0 .. ND).
+template <typename T, typename A, int ND, int MODE>
+__device__ __forceinline__ void store_point_coords(const T* grid, long long n, long long p, const Geo& g, A c[ND], A* out) {
+    const long long ow = p % g.OW, r2 = p / g.OW, oh = r2 % g.OH, od = r2 / g.OH;
+    const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
+    const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
+    const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
+    point_coords<A, ND, MODE>(x, y, z, g, c);
+#pragma unroll
+    for (int a = 0; a < ND; ++a) out[a] = c[a];
+}
+
 // One thread per point: its coordinates, and one key per tap (KEY_NONE when the tap falls outside).
 template <typename T, typename A, int ND, int MODE>
 __global__ void __launch_bounds__(256) gs_keys(const T* __restrict__ grid, long long* __restrict__ keys,
@@ -632,14 +647,8 @@ __global__ void __launch_bounds__(256) gs_keys(const T* __restrict__ grid, long 
     const long long P = g.OD * g.OH * g.OW, NP = g.N * P, S = g.ID * g.IH * g.IW, PT = P * K;
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         const long long n = np / P, p = np - n * P;
-        const long long ow = p % g.OW, r2 = p / g.OW, oh = r2 % g.OH, od = r2 / g.OH;
-        const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-        const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
-        const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
         A c[ND];
-        point_coords<A, ND, MODE>(x, y, z, g, c);
-#pragma unroll
-        for (int a = 0; a < ND; ++a) coords[np * ND + a] = c[a];
+        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const long long d = tap_dest<A, ND, MODE>(c, k, g);
@@ -659,6 +668,21 @@ __global__ void __launch_bounds__(256) gs_bounds(const long long* __restrict__ k
         if (i == 0 || keys[i - 1] / PT != d) bounds[2 * d] = i;
         if (i == E - 1 || keys[i + 1] == KEY_NONE || keys[i + 1] / PT != d) bounds[2 * d + 1] = i + 1;
     }
+}
+
+// A gather entry (point * K + tap, the point within the batch item starting at point n0): the tap's weight,
+// and the point's grad_output values for channels c0 .. c0 + nc in gv.
+template <typename T, typename A, int ND, int MODE>
+__device__ __forceinline__ A entry_contribution(long long local, long long n0, const A* __restrict__ coords,
+                                                const T* __restrict__ go, long long C, long long c0, int nc, bool go_vec,
+                                                A gv[VEC]) {
+    constexpr int K = Taps<ND, MODE>::K;
+    const long long p = local / K, np = n0 + p;
+    A cc[ND];
+#pragma unroll
+    for (int a = 0; a < ND; ++a) cc[a] = coords[np * ND + a];
+    load_ch(go + np * C + c0, 1, nc, go_vec, gv);
+    return tap_weight<A, ND, MODE>(cc, (int)(local - p * K));
 }
 
 // L lanes per destination pixel, VEC channels per lane: sum its entries in key order, write once.
@@ -684,20 +708,147 @@ __global__ void __launch_bounds__(256) gs_gather(const long long* __restrict__ k
 #pragma unroll
             for (int c = 0; c < VEC; ++c) acc[c] = static_cast<A>(0);
             for (long long e = start; e < end; ++e) {
-                const long long local = keys[e] - qbase;
-                const long long p = local / K;
-                const int k = (int)(local - p * K);
-                const long long np = n * P + p;
-                A cc[ND];
-#pragma unroll
-                for (int a = 0; a < ND; ++a) cc[a] = coords[np * ND + a];
-                const A w = tap_weight<A, ND, MODE>(cc, k);
                 A gv[VEC];
-                load_ch(go + np * C + c0, 1, nc, go_vec, gv);
+                const A w = entry_contribution<T, A, ND, MODE>(keys[e] - qbase, n * P, coords, go, C, c0, nc, go_vec, gv);
 #pragma unroll
                 for (int c = 0; c < VEC; ++c) acc[c] += w * gv[c];
             }
             store_ch(gi + q * C + c0, 1, nc, gi_vec, acc);
+        }
+    }
+}
+
+// max over a block of its threads' m, folded into *out (double bits) with one atomic, skipped when *out is
+// already larger (thousands of blocks on one word would serialise).
+__device__ __forceinline__ void block_max_to(double m, unsigned long long* out) {
+    __shared__ double warp_max[32];
+    for (int s = 16; s > 0; s >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, s));
+    const int tid = threadIdx.x + threadIdx.y * blockDim.x, warps = (blockDim.x * blockDim.y) >> 5;
+    if ((tid & 31) == 0) warp_max[tid >> 5] = m;
+    __syncthreads();
+    if (tid < 32) {
+        m = tid < warps ? warp_max[tid] : 0.0;
+        for (int s = 16; s > 0; s >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, s));
+        if (tid == 0 && m > 0.0 && m > __longlong_as_double((long long)*(volatile unsigned long long*)out))
+            atomicMax(out, (unsigned long long)__double_as_longlong(m));
+    }
+}
+
+__device__ __forceinline__ double finite_abs(double v) {
+    v = fabs(v);
+    return v <= 1.7976931348623157e308 ? v : 0.0;  // NaN and inf count as 0
+}
+
+// Deterministic backward, counting form (16- and 32-bit inputs; TUNING det_keys = "count"): gs_count
+// counts each destination pixel's contributions (and stores the points' coordinates), a scan turns the
+// counts into segment offsets, gs_place writes each (point, tap) into its destination's segment (in
+// whatever order the atomics give), and gs_gather_exact sums each segment exactly in int64 fixed point,
+// so that order does not matter: no sort. The scale, 2^e with e = 59 - ceil(log2(count)) - k and
+// max |grad_output| < 2^k (gs_absmax, or the transpose that makes grad_output channels-last), keeps every
+// sum below 2^61 (a contribution is |grad_output| times weights summing to at most 4, bicubic's included)
+// and rounds each contribution to a multiple of 2^-e: at most 2^-(57 - ceil(log2(count))) * max.
+template <typename T, typename A, int ND, int MODE>
+__global__ void __launch_bounds__(256) gs_count(const T* __restrict__ grid, A* __restrict__ coords,
+                                                unsigned long long* __restrict__ counts, const Geo g) {
+    constexpr int K = Taps<ND, MODE>::K;
+    const long long P = g.OD * g.OH * g.OW, NP = g.N * P, S = g.ID * g.IH * g.IW;
+    for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
+        const long long n = np / P, p = np - n * P;
+        A c[ND];
+        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const long long d = tap_dest<A, ND, MODE>(c, k, g);
+            if (d >= 0) atomicAdd(counts + n * S + d, 1ULL);
+        }
+    }
+}
+
+// After the scan (offsets[q + 1] = counts[0] + ... + counts[q], offsets[0] = 0): entries[slot] = p * K + k.
+// counts count down to 0 on the way (they are not needed afterwards).
+template <typename A, int ND, int MODE>
+__global__ void __launch_bounds__(256) gs_place(const A* __restrict__ coords, const long long* __restrict__ offsets,
+                                                unsigned long long* __restrict__ counts, long long* __restrict__ entries,
+                                                const Geo g) {
+    constexpr int K = Taps<ND, MODE>::K;
+    const long long P = g.OD * g.OH * g.OW, NP = g.N * P, S = g.ID * g.IH * g.IW;
+    for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
+        const long long n = np / P, p = np - n * P;
+        A c[ND];
+#pragma unroll
+        for (int a = 0; a < ND; ++a) c[a] = coords[np * ND + a];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const long long d = tap_dest<A, ND, MODE>(c, k, g);
+            if (d < 0) continue;
+            const long long q = n * S + d;
+            const unsigned long long left = atomicAdd(counts + q, ~0ULL);  // -1: slots fill from the end
+            entries[offsets[q] + (long long)left - 1] = p * K + k;
+        }
+    }
+}
+
+// max |grad_output| over its finite values, as double bits in *out (non-negative doubles order as u64).
+template <typename T>
+__global__ void __launch_bounds__(256) gs_absmax(const T* __restrict__ go, long long n, unsigned long long* __restrict__ out) {
+    double m = 0.0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        m = fmax(m, finite_abs(static_cast<double>(to_acc(go[i]))));
+    block_max_to(m, out);
+}
+
+// L lanes per destination pixel, VEC channels per lane: the segment's contributions (w * grad_output in A)
+// rounded to multiples of 2^-e and summed exactly in int64 (one conversion and one add each); NaN / inf contributions tracked apart (NaN, or +inf
+// with -inf, gives NaN; otherwise the infinity), as an IEEE sum in any order would.
+template <typename T, typename A, int ND, int MODE>
+__global__ void __launch_bounds__(256) gs_gather_exact(const long long* __restrict__ entries,
+                                                       const long long* __restrict__ offsets,
+                                                       const A* __restrict__ coords, const T* __restrict__ go,
+                                                       T* __restrict__ gi, const Geo g,
+                                                       const unsigned long long* __restrict__ go_max) {
+    constexpr int K = Taps<ND, MODE>::K;
+    const int lg = (int)g.lanes_log2, L = 1 << lg;
+    const long long P = g.OD * g.OH * g.OW, S = g.ID * g.IH * g.IW, C = g.C;
+    const long long total = (g.N * S) << lg;
+    const bool go_vec = (g.flags & F_GO_VEC) != 0, gi_vec = (g.flags & F_GI_VEC) != 0;
+    const double mx = __longlong_as_double((long long)*go_max);
+    int kmax = 0;
+    if (mx > 0.0) frexp(mx, &kmax);
+    for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total; t += (long long)gridDim.x * blockDim.x) {
+        const long long q = t >> lg;
+        const int l = (int)(t & (L - 1));
+        const long long n = q / S;
+        const long long start = offsets[q], end = offsets[q + 1];
+        const int count_log2 = end - start > 1 ? 64 - __clzll((unsigned long long)(end - start - 1)) : 0;
+        const int e = 59 - count_log2 - kmax;
+        const double scale = ldexp(1.0, e), unscale = ldexp(1.0, -e);
+        for (long long c0 = (long long)l * VEC; c0 < C; c0 += (long long)L * VEC) {
+            const int nc = min_nc(C, c0);
+            long long acc[VEC];
+            unsigned int special[VEC];
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) { acc[c] = 0; special[c] = 0u; }
+            for (long long i = start; i < end; ++i) {
+                A gv[VEC];
+                const A w = entry_contribution<T, A, ND, MODE>(entries[i], n * P, coords, go, C, c0, nc, go_vec, gv);
+#pragma unroll
+                for (int c = 0; c < VEC; ++c) {
+                    const double v = static_cast<double>(w * gv[c]);
+                    const double x = v * scale;  // exact: the scale is a power of two
+                    if (fabs(x) < 2305843009213693952.0) acc[c] += __double2ll_rn(x);  // 2^61: finite, in range
+                    else special[c] |= v != v ? 1u : v > 0 ? 2u : 4u;
+                }
+            }
+            A out[VEC];
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) {
+                const unsigned int f = special[c];
+                const double nan = __longlong_as_double(0x7ff8000000000000LL), inf = __longlong_as_double(0x7ff0000000000000LL);
+                const double v = f == 0 ? static_cast<double>(acc[c]) * unscale
+                               : ((f & 1u) || (f & 6u) == 6u) ? nan : (f & 2u) ? inf : -inf;
+                out[c] = static_cast<A>(v);
+            }
+            store_ch(gi + q * C + c0, 1, nc, gi_vec, out);
         }
     }
 }
@@ -718,14 +869,8 @@ __global__ void __launch_bounds__(256) gs_cell_keys(const T* __restrict__ grid, 
     const int ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW;
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         const long long n = np / P, p = np - n * P;
-        const long long ow = p % g.OW, r2 = p / g.OW, oh = r2 % g.OH, od = r2 / g.OH;
-        const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-        const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
-        const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
         A c[ND];
-        point_coords<A, ND, MODE>(x, y, z, g, c);
-#pragma unroll
-        for (int a = 0; a < ND; ++a) coords[np * ND + a] = c[a];
+        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
         int cx, cy, cz = 0;
         bool ok;
         if constexpr (MODE == MODE_BILINEAR) {
@@ -802,10 +947,12 @@ __device__ __forceinline__ long long spatial_offset(long long s, const Tr& t) {
 
 template <typename D, typename S_> __device__ __forceinline__ D convert(S_ v) { return from_acc<D>(to_acc(v)); }
 
-// strided (N, C, spatial) -> channels-last contiguous
+// strided (N, C, spatial) -> channels-last contiguous; amax (or null): max |finite value| folded in.
 template <typename S_, typename D>
-__global__ void __launch_bounds__(256) gs_to_cl(const S_* __restrict__ src, D* __restrict__ dst, const Tr t) {
+__global__ void __launch_bounds__(256) gs_to_cl(const S_* __restrict__ src, D* __restrict__ dst, const Tr t,
+                                                unsigned long long* __restrict__ amax) {
     __shared__ D tile[32][33];
+    double m = 0.0;
     const long long ctiles = (t.C + 31) / 32;
     const long long s0 = blockIdx.x * 32LL;
     for (long long n = blockIdx.z; n < t.N; n += gridDim.z) {
@@ -814,7 +961,11 @@ __global__ void __launch_bounds__(256) gs_to_cl(const S_* __restrict__ src, D* _
 #pragma unroll
             for (int k = 0; k < 32; k += 8) {
                 const long long c = c0 + threadIdx.y + k, s = s0 + threadIdx.x;
-                if (c < t.C && s < t.S) tile[threadIdx.y + k][threadIdx.x] = convert<D>(src[n * t.sN + c * t.sC + spatial_offset(s, t)]);
+                if (c < t.C && s < t.S) {
+                    const D v = convert<D>(src[n * t.sN + c * t.sC + spatial_offset(s, t)]);
+                    tile[threadIdx.y + k][threadIdx.x] = v;
+                    if (amax) m = fmax(m, finite_abs(static_cast<double>(to_acc(v))));
+                }
             }
             __syncthreads();
 #pragma unroll
@@ -825,6 +976,7 @@ __global__ void __launch_bounds__(256) gs_to_cl(const S_* __restrict__ src, D* _
             __syncthreads();
         }
     }
+    if (amax) block_max_to(m, amax);  // uniform per block: every thread gets here
 }
 
 // channels-last contiguous -> strided (N, C, spatial)

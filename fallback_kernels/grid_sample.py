@@ -21,9 +21,13 @@ order, in registers and warp shuffles, so it is deterministic either way):
 * fast (default): grad_input is scattered with atomics into a channels-last accumulator (float32, float64
   for float64 inputs; vector `red.global.add.v4.f32` on sm_90), then converted / transposed into the
   result when the result is not already a channels-last float32 / float64 tensor. Not bit-reproducible.
-* deterministic: one int64 key per (point, tap) = destination pixel, point, tap; keys are unique, so the
-  sort (CuPy's thrust sort) fixes one order; then each destination pixel sums its contributions in key
-  order (same accumulators) and is written once. Bit-identical run to run.
+* deterministic, float16 / bfloat16 / float32: a counting sort by destination pixel (count with atomics,
+  scan, place), which leaves the order within a pixel to chance; each pixel then sums its contributions
+  exactly (int64 fixed point, scaled from max |grad_output| and the pixel's contribution count), so the
+  order cannot matter, and is written once. No sort. Bit-identical run to run.
+* deterministic, float64: one int64 key per (point, tap) = destination pixel, point, tap; keys are unique,
+  so the sort (CuPy's thrust sort) fixes one order; then each destination pixel sums its contributions in
+  key order in float64 and is written once. Bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ OPTIONS = _compile.BASE_OPTIONS
 INT_MAX = 2**31 - 1
 KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
+COUNT_KERNELS = ("gs_count", "gs_gather_exact")  # its counting form (with gs_place<A, ..>, gs_absmax<T>)
 # (spatial dims, mode) pairs that exist: bicubic is 2-D only, as in torch
 VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) if not (nd == 3 and m == BICUBIC))
 # Knobs (tools/bench_grid_sample.py measures the alternatives). go_transpose / input_transpose: the fast
@@ -71,9 +76,11 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # random grids). det_keys: the deterministic backward sorts one key per (point, tap) ("tap") or one key
 # per point, its cell ("cell", bilinear and nearest only): on an H100 "cell" measured 7-11% slower on f32
 # shapes, 2% faster on an f16 one (thrust's sort costs ~95 us almost whatever the key count, and the cell
-# gather is slower), so "tap" is the default.
+# gather is slower). "count" (16- and 32-bit inputs; float64 falls back to "tap", its sums need float64):
+# no sort at all, a counting sort by destination and exact fixed-point sums, so the order within a
+# destination does not matter; the default.
 # options: extra NVRTC options (e.g. "-DGS_BWD_MIN_BLOCKS=2").
-TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "tap", "options": ()}
+TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "options": ()}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -94,6 +101,10 @@ def name_expressions(dtype: str | None = None) -> list[str]:
             names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in KERNELS]
             if mode != BICUBIC:
                 names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in CELL_KERNELS]
+            if dt != "float64":
+                names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in COUNT_KERNELS] + [f"gs_place<{a}, {nd}, {mode}>"]
+        if dt != "float64":
+            names.append(f"gs_absmax<{t}>")
         names += [f"gs_to_cl<{t}, {t}>", f"gs_from_cl<{t}, {t}>"]
         if a != t:
             names.append(f"gs_from_cl<{a}, {t}>")
@@ -106,15 +117,26 @@ def backward_guarantee(*, deterministic: bool, dtype: str) -> dict:
     if dtype not in CTYPES:
         raise SpecError("dtype", dtype, f"expected one of {sorted(CTYPES)}")
     acc = ACC_DTYPE[CTYPES[dtype][1]]
-    return {
-        "deterministic": bool(deterministic),
-        "accumulator": acc,
-        "algorithm": "sorted-gather" if deterministic else "atomic-scatter",
-        "grad_input": ("each element summed in a fixed order (destination, point, tap) in "
-                       f"{acc} and rounded once" if deterministic else
-                       f"atomic adds in {acc} in arbitrary order, rounded once to {dtype}"),
-        "grad_grid": f"per output point, channels reduced in a fixed order in {acc}: deterministic",
-    }
+    out = {"deterministic": bool(deterministic), "accumulator": acc, "algorithm": "atomic-scatter",
+           "grad_input": f"atomic adds in {acc} in arbitrary order, rounded once to {dtype}",
+           "grad_grid": f"per output point, channels reduced in a fixed order in {acc}: deterministic"}
+    if deterministic and _counting(dtype):
+        out.update(accumulator="int64 fixed point", algorithm="counting-exact-gather",
+                   grad_input=(f"each contribution (weight * grad_output in {acc}) rounded to a multiple of 2^-e, "
+                               "e = 59 - ceil(log2(n)) - ceil(log2(max |grad_output|)) for an element with n "
+                               "contributions (error <= n * 2^-(58 - ceil(log2(n)))) * max |grad_output|), summed "
+                               f"exactly (so in no particular order), then rounded to float64 and to {dtype}; "
+                               "NaN / inf contributions give NaN / inf as an IEEE sum would"))
+    elif deterministic:
+        out.update(algorithm="sorted-gather",
+                   grad_input=f"each element summed in a fixed order (destination, point, tap) in {acc} and "
+                              "rounded once")
+    return out
+
+
+def _counting(dtype: str) -> bool:
+    """Whether the deterministic backward of `dtype` is the counting form (float64 sums need float64)."""
+    return TUNING["det_keys"] == "count" and dtype != "float64"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -291,12 +313,18 @@ def _geo_struct(geo: Geometry, *, inp=(0,) * 5, grid=(0,) * 5, go=(0,) * 5, lane
 # with the call's pointers, so the Python work per call is a few allocations and launches.
 # ------------------------------------------------------------------------------------------------------
 class _Ref(int):
-    """A buffer named in a plan; its int value is the address modulo 256 (all a plan may depend on)."""
+    """A buffer named in a plan, plus a byte offset into it; its int value is the address modulo 256 (all a
+    plan may depend on)."""
 
-    def __new__(cls, name: str, residue: int = 0):
+    def __new__(cls, name: str, residue: int = 0, offset: int = 0):
         obj = int.__new__(cls, residue % 256)
-        obj.name = name
+        obj.name, obj.offset = name, offset
         return obj
+
+
+def _at(ref: _Ref, nbytes: int) -> _Ref:
+    """`nbytes` into the buffer of `ref`."""
+    return _Ref(ref.name, int(ref) + nbytes, ref.offset + nbytes)
 
 
 class _Plan(NamedTuple):
@@ -336,16 +364,22 @@ class _Builder:
     def sort(self, ref: _Ref, n: int) -> None:
         self.ops.append(("sort", ref, int(n)))
 
+    def scan(self, src: _Ref, dst: _Ref, n: int) -> None:
+        """dst[1 + i] = src[0] + ... + src[i] over n int64 (dst[0] is the caller's)."""
+        self.ops.append(("scan", src, int(n), dst))
+
     def transpose(self, kernel: str, src_t: str, dst_t: str, src: _Ref, dst: _Ref, n: int, c: int,
-                  sp: tuple[int, int, int], strides, nd: int) -> None:
-        """gs_to_cl: strided (n, c, *sp) -> channels-last contiguous; gs_from_cl: the other way."""
+                  sp: tuple[int, int, int], strides, nd: int, amax: _Ref | None = None) -> None:
+        """gs_to_cl: strided (n, c, *sp) -> channels-last contiguous (`amax`: also max |finite value| there, as
+        double bits); gs_from_cl: the other way."""
         D, H, W = sp
         s = D * H * W
         sD, sH, sW = _spatial5(strides, nd)
         packed = all(st == e or d == 1 for st, e, d in zip((sD, sH, sW), (H * W, W, 1), (D, H, W)))
         tr = np.array([(n, c, s, H, W, strides[0], strides[1], sD, sH, sW, int(packed))], dtype=_TR_DTYPE)
         grid = (-(-s // 32), min(-(-c // 32), 65535), min(n, 65535))
-        self.launch(f"{kernel}<{src_t}, {dst_t}>", grid, (32, 8), (src, dst, tr))
+        args = (src, dst, tr, amax) if kernel == "gs_to_cl" else (src, dst, tr)
+        self.launch(f"{kernel}<{src_t}, {dst_t}>", grid, (32, 8), args)
 
     def plan(self, geo: Geometry, outputs: dict) -> _Plan:
         offsets, total = [], 0
@@ -368,7 +402,7 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
 
     def arg(a):
         if isinstance(a, _Ref):
-            return np.uint64(ptrs[a.name])
+            return np.uint64(ptrs[a.name] + a.offset)
         return np.uint64(0) if a is None else a
 
     profile = PROFILE
@@ -380,19 +414,29 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
             _, fn, grid, block, args, _name = op
             fn(grid, block, tuple(arg(a) for a in args), stream=stream)
         elif op[0] == "zero":
-            cupy.cuda.runtime.memsetAsync(ptrs[op[1].name], 0, op[2], stream_ptr)
+            cupy.cuda.runtime.memsetAsync(ptrs[op[1].name] + op[1].offset, 0, op[2], stream_ptr)
+        elif op[0] == "scan":  # CuPy's cumsum, on the launch stream
+            _, src, n, dst = op
+            with stream:
+                cupy.cumsum(_int64_view(ptrs[src.name] + src.offset, n, owner, device),
+                            out=_int64_view(ptrs[dst.name] + dst.offset + 8, n, owner, device))
         else:  # sort int64 keys in place with CuPy's thrust sort, on (and with memory of) the launch stream
             _, ref, n = op
-            memory = cupy.cuda.UnownedMemory(ptrs[ref.name], n * 8, owner, device_id=device)
-            keys = cupy.ndarray((n,), dtype=np.int64, memptr=cupy.cuda.MemoryPointer(memory, 0))
             with stream:
-                keys.sort()
+                _int64_view(ptrs[ref.name] + ref.offset, n, owner, device).sort()
         if profile is not None:
             end = cupy.cuda.Event()
             end.record(stream)
             label = op[5] if op[0] == "launch" else f"{op[0]}({op[2]})"
             profile.append((label, start, end))
     # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
+
+
+def _int64_view(ptr: int, n: int, owner: Any, device: int):
+    import cupy
+
+    memory = cupy.cuda.UnownedMemory(ptr, n * 8, owner, device_id=device)
+    return cupy.ndarray((n,), dtype=np.int64, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def _key(info) -> tuple:
@@ -499,14 +543,17 @@ def _input_for_grid_grad(b: _Builder, geo: Geometry, inp: _Tensor) -> _Tensor:
     return _Tensor(ref, _cl_strides(shape))
 
 
-def _go_cl(b: _Builder, geo: Geometry, go: _Tensor) -> _Tensor:
-    """grad_output in channels-last contiguous layout (copied if it is not)."""
+def _go_cl(b: _Builder, geo: Geometry, go: _Tensor, amax: _Ref | None = None) -> _Tensor:
+    """grad_output in channels-last contiguous layout (copied if it is not); `amax`: max |grad_output| there."""
     shape = geo.output_shape()
-    if _is_cl_layout(shape, go.strides):
-        return go
     t = CTYPES[geo.dtype][0]
+    if _is_cl_layout(shape, go.strides):
+        if amax is not None:
+            elements = geo.N * geo.C * geo.points
+            b.launch(f"gs_absmax<{t}>", (min(_blocks(elements), 1024),), (BLOCK,), (go.ref, np.int64(elements), amax))
+        return go
     ref = b.buffer(geo.N * geo.C * geo.points * ITEMSIZE[geo.dtype])
-    b.transpose("gs_to_cl", t, t, go.ref, ref, geo.N, geo.C, geo.out_sp, go.strides, geo.nd)
+    b.transpose("gs_to_cl", t, t, go.ref, ref, geo.N, geo.C, geo.out_sp, go.strides, geo.nd, amax=amax)
     return _Tensor(ref, _cl_strides(shape))
 
 
@@ -548,13 +595,56 @@ def _backward_fast(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
         b.transpose("gs_from_cl", a, t, acc, bufs.gi.ref, geo.N, geo.C, geo.in_sp, bufs.gi.strides, geo.nd)
 
 
-def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+def _backward_counting(b: _Builder, geo: Geometry, bufs: _Bufs) -> _Tensor:
+    """grad_input by counting sort + exact sums (16- and 32-bit); returns the channels-last grad_output."""
     t, a = CTYPES[geo.dtype]
-    item, acc_item = ITEMSIZE[geo.dtype], ITEMSIZE[ACC_DTYPE[a]]
+    acc_item = ITEMSIZE[ACC_DTYPE[a]]
+    npts, npix, k = geo.N * geo.points, geo.N * geo.pixels, _taps(geo)
+    # One zeroed span: max |grad_output| (256 bytes), the counts, offsets[0] (offsets[1:] come from the scan).
+    counts_at = 256 + -(-npix * 8 // 256) * 256
+    meta = b.buffer(counts_at + (npix + 1) * 8)
+    b.zero(meta, counts_at + 8)
+    go_max, counts, offsets = meta, _at(meta, 256), _at(meta, counts_at)
+    go = _go_cl(b, geo, bufs.go, amax=go_max)
+    coords = b.buffer(npts * geo.nd * acc_item)
+    variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
+    g = _geo_struct(geo, grid=_grid5(bufs.grid.strides, geo.nd))
+    b.launch("gs_count" + variant, (_blocks(npts),), (BLOCK,), (bufs.grid.ref, coords, counts, g))
+    b.scan(counts, offsets, npix)
+    entries = b.buffer(npts * k * 8)
+    b.launch(f"gs_place<{a}, {geo.nd}, {geo.mode}>", (_blocks(npts),), (BLOCK,), (coords, offsets, counts, entries, g))
+    _gather(b, geo, bufs, go, "gs_gather_exact" + variant, (entries, offsets, coords), (go_max,))
+    return go
+
+
+def _gather(b: _Builder, geo: Geometry, bufs: _Bufs, go: _Tensor, kernel: str, head: tuple, tail: tuple = ()) -> None:
+    """A gather kernel (a lane group per destination pixel) writing grad_input, through a transpose if needed."""
+    t, item = CTYPES[geo.dtype][0], ITEMSIZE[geo.dtype]
+    direct = _is_cl_layout(_in_shape(geo), bufs.gi.strides)
+    target = bufs.gi.ref if direct else b.buffer(geo.N * geo.pixels * geo.C * item)
+    flags = F_GI_VEC if geo.C % VEC == 0 else 0
+    if _vec_ok(go.ref, go.strides, geo.output_shape(), item):
+        flags |= F_GO_VEC
+    lg = _lanes_log2(geo.C)
+    b.launch(kernel, (_blocks((geo.N * geo.pixels) << lg),), (BLOCK,),
+             head + (go.ref, target, _geo_struct(geo, lanes_log2=lg, flags=flags)) + tail)
+    if not direct:
+        b.transpose("gs_from_cl", t, t, target, bufs.gi.ref, geo.N, geo.C, geo.in_sp, bufs.gi.strides, geo.nd)
+
+
+def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+    if bufs.gi is not None and _counting(geo.dtype):
+        go = _backward_counting(b, geo, bufs)
+        if bufs.gg is not None:
+            inp = _input_for_grid_grad(b, geo, bufs.inp) if geo.mode != NEAREST else None
+            _backward_launch(b, geo, go, inp, bufs.grid, None, bufs.gg.ref, F_GG)
+        return
+    t, a = CTYPES[geo.dtype]
+    acc_item = ITEMSIZE[ACC_DTYPE[a]]
     go = bufs.go
     if bufs.gi is not None:
         npts, npix = geo.N * geo.points, geo.N * geo.pixels
-        cell = TUNING["det_keys"] == "cell" and geo.mode != BICUBIC
+        cell = TUNING["det_keys"] == "cell" and geo.mode != BICUBIC  # "count" on float64 sorts by tap
         if cell:  # one key per point: its cell
             D, H, W = geo.in_sp
             dests = geo.N * (D + 1 if geo.nd == 3 else 1) * (H + 1) * (W + 1)
@@ -575,16 +665,7 @@ def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
         bounds = b.buffer(dests * 2 * 8)
         b.zero(bounds, dests * 2 * 8)
         b.launch("gs_bounds", (_blocks(n_keys),), (BLOCK,), (keys, bounds, np.int64(n_keys), np.int64(per_dest)))
-        direct = _is_cl_layout(_in_shape(geo), bufs.gi.strides)
-        target = bufs.gi.ref if direct else b.buffer(npix * geo.C * item)
-        flags = F_GI_VEC if geo.C % VEC == 0 else 0
-        if _vec_ok(go.ref, go.strides, geo.output_shape(), item):
-            flags |= F_GO_VEC
-        lg = _lanes_log2(geo.C)
-        b.launch(kernels[1] + variant, (_blocks(npix << lg),), (BLOCK,),
-                 (keys, bounds, coords, go.ref, target, _geo_struct(geo, lanes_log2=lg, flags=flags)))
-        if not direct:
-            b.transpose("gs_from_cl", t, t, target, bufs.gi.ref, geo.N, geo.C, geo.in_sp, bufs.gi.strides, geo.nd)
+        _gather(b, geo, bufs, go, kernels[1] + variant, (keys, bounds, coords))
     if bufs.gg is not None:
         inp = _input_for_grid_grad(b, geo, bufs.inp) if geo.mode != NEAREST else None
         _backward_launch(b, geo, go, inp, bufs.grid, None, bufs.gg.ref, F_GG)

@@ -28,6 +28,11 @@ def test_every_kernel_and_variant_is_instantiated():
             for nd, mode in gs.VARIANTS:
                 expected = kernel in gs.KERNELS or mode != gs.BICUBIC  # cell keys: bilinear and nearest only
                 assert (f"{kernel}<{t}, {a}, {nd}, {mode}>" in names) == expected
+            for nd, mode in gs.VARIANTS:  # the counting deterministic backward: not for float64
+                for kernel in gs.COUNT_KERNELS:
+                    assert (f"{kernel}<{t}, {a}, {nd}, {mode}>" in names) == (dtype != "float64")
+                assert (f"gs_place<{a}, {nd}, {mode}>" in names) == (dtype != "float64")
+        assert (f"gs_absmax<{t}>" in names) == (dtype != "float64")
         assert f"gs_to_cl<{t}, {t}>" in names and f"gs_from_cl<{a}, {t}>" in names
     assert "gs_bounds" in names
     assert (3, gs.BICUBIC) not in gs.VARIANTS  # bicubic is 2-D only
@@ -162,8 +167,14 @@ def test_geo_struct_packs_fields_in_order():
     assert values == [2, 3, 1, 5, 7, 1, 4, 6, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 1, 1, 2, 3]
 
 
-def test_backward_guarantee():
+def test_backward_guarantee(monkeypatch):
     g = gs.backward_guarantee(deterministic=True, dtype="float16")
+    assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "int64 fixed point",
+                                                                      "counting-exact-gather")
+    g = gs.backward_guarantee(deterministic=True, dtype="float64")  # float64 sums stay float64, sorted
+    assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "float64", "sorted-gather")
+    monkeypatch.setitem(gs.TUNING, "det_keys", "tap")
+    g = gs.backward_guarantee(deterministic=True, dtype="bfloat16")
     assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "float32", "sorted-gather")
     g = gs.backward_guarantee(deterministic=False, dtype="float64")
     assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (False, "float64", "atomic-scatter")
@@ -202,10 +213,10 @@ def cpu_plans(monkeypatch):
 def _check_plan(plan, external):
     arity = _kernel_arity()
     assert set(arity) >= {"gs_forward", "gs_backward", "gs_keys", "gs_gather", "gs_bounds", "gs_to_cl", "gs_from_cl",
-                          "gs_cell_keys", "gs_cell_gather"}
+                          "gs_cell_keys", "gs_cell_gather", "gs_absmax", "gs_count", "gs_place", "gs_gather_exact"}
     known = set(external) | {name for name, _ in plan.scratch}
     for op in plan.ops:
-        refs = [a for a in (op[4] if op[0] == "launch" else op[1:2]) if isinstance(a, gs._Ref)]
+        refs = [a for a in (op[4] if op[0] == "launch" else op[1:]) if isinstance(a, gs._Ref)]
         assert all(r.name in known for r in refs), op
         if op[0] == "launch":
             _, fn, grid, block, args, name = op
@@ -227,7 +238,7 @@ def _layouts(shape):
     yield tuple(s * 2 for s in gs._contiguous_strides(shape))  # a strided view
 
 
-@pytest.mark.parametrize("det_keys", ["cell", "tap"])
+@pytest.mark.parametrize("det_keys", ["count", "cell", "tap"])
 @pytest.mark.parametrize("nd", [2, 3])
 def test_plans_for_every_configuration_build_on_cpu(cpu_plans, monkeypatch, nd, det_keys):
     monkeypatch.setitem(gs.TUNING, "det_keys", det_keys)
@@ -253,11 +264,24 @@ def test_plans_for_every_configuration_build_on_cpu(cpu_plans, monkeypatch, nd, 
                         assert set(plan.outputs) == {r for r, n in zip(("grad_input", "grad_grid"), need) if n}
                         if need[0]:
                             assert plan.outputs["grad_input"].strides == gs._format_strides(ishape, strides, ishape)
-                        if det and need[0]:
+                        kernels = {op[5].split("<")[0] for op in plan.ops if op[0] == "launch"}
+                        counting = det_keys == "count" and dtype != "float64"
+                        if det and need[0] and counting:  # no sort: count, scan, place, exact gather
+                            assert not any(op[0] == "sort" for op in plan.ops)
+                            assert [op[0] for op in plan.ops].count("scan") == 1
+                            assert {"gs_count", "gs_place", "gs_gather_exact"} <= kernels
+                            # max |grad_output|: folded into its transpose, or its own kernel when none is needed
+                            go_cl = gs._is_cl_layout(oshape, okey[1])
+                            assert ("gs_absmax" in kernels) == go_cl
+                            maxed = [op for op in plan.ops if op[0] == "launch" and op[5].startswith("gs_to_cl")
+                                     and op[4][3] is not None]
+                            assert len(maxed) == (0 if go_cl else 1)
+                        elif det and need[0]:
                             assert any(op[0] == "sort" for op in plan.ops)
                             cell = det_keys == "cell" and mode != "bicubic"
-                            kernels = {op[5].split("<")[0] for op in plan.ops if op[0] == "launch"}
                             assert ("gs_cell_gather" in kernels) == cell and ("gs_gather" in kernels) == (not cell)
+                        else:
+                            assert not {"gs_count", "gs_gather_exact"} & kernels
 
 
 def test_empty_plans_launch_nothing(cpu_plans):

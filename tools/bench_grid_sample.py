@@ -151,7 +151,7 @@ def run(args):
             entry = dict(shape=shape["name"], grid=kind, dtype=str(shape["dtype"]).removeprefix("torch."),
                          min_mb=min_bytes(sets[0]) / 1e6, algos={}, breakdown={})
             algos = {"torch": torch_backward, "fast": ours_backward(False), "deterministic": ours_backward(True)}
-            variants = {"deterministic[tap keys]": ({"det_keys": "tap"}, True)}
+            variants = {"deterministic[sorted, tap keys]": ({"det_keys": "tap"}, True)}
             if shape["variants"] and args.variants:
                 variants.update({"fast[go_transpose]": ({"go_transpose": True}, False),
                                  "fast[no_input_transpose]": ({"input_transpose": False}, False)})
