@@ -633,42 +633,42 @@ def _gather(b: _Builder, geo: Geometry, bufs: _Bufs, go: _Tensor, kernel: str, h
 
 
 def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
-    if bufs.gi is not None and _counting(geo.dtype):
-        go = _backward_counting(b, geo, bufs)
-        if bufs.gg is not None:
-            inp = _input_for_grid_grad(b, geo, bufs.inp) if geo.mode != NEAREST else None
-            _backward_launch(b, geo, go, inp, bufs.grid, None, bufs.gg.ref, F_GG)
-        return
-    t, a = CTYPES[geo.dtype]
-    acc_item = ITEMSIZE[ACC_DTYPE[a]]
     go = bufs.go
     if bufs.gi is not None:
-        npts, npix = geo.N * geo.points, geo.N * geo.pixels
-        cell = TUNING["det_keys"] == "cell" and geo.mode != BICUBIC  # "count" on float64 sorts by tap
-        if cell:  # one key per point: its cell
-            D, H, W = geo.in_sp
-            dests = geo.N * (D + 1 if geo.nd == 3 else 1) * (H + 1) * (W + 1)
-            per_dest, n_keys, kernels = geo.points, npts, ("gs_cell_keys", "gs_cell_gather")
-        else:  # one key per (point, tap): its destination pixel
-            k = _taps(geo)
-            dests, per_dest, n_keys, kernels = npix, geo.points * k, npts * k, ("gs_keys", "gs_gather")
-        if dests * per_dest >= 2**62:
-            raise BufferMismatchError("grid", "size", "N * input pixels * output points * taps < 2**62 for the "
-                                      "deterministic backward's int64 keys", dests * per_dest)
-        go = _go_cl(b, geo, go)
-        coords = b.buffer(npts * geo.nd * acc_item)
-        keys = b.buffer(n_keys * 8)
-        variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
-        b.launch(kernels[0] + variant, (_blocks(npts),), (BLOCK,),
-                 (bufs.grid.ref, keys, coords, _geo_struct(geo, grid=_grid5(bufs.grid.strides, geo.nd))))
-        b.sort(keys, n_keys)
-        bounds = b.buffer(dests * 2 * 8)
-        b.zero(bounds, dests * 2 * 8)
-        b.launch("gs_bounds", (_blocks(n_keys),), (BLOCK,), (keys, bounds, np.int64(n_keys), np.int64(per_dest)))
-        _gather(b, geo, bufs, go, kernels[1] + variant, (keys, bounds, coords))
+        go = (_backward_counting if _counting(geo.dtype) else _backward_sorted)(b, geo, bufs)
     if bufs.gg is not None:
         inp = _input_for_grid_grad(b, geo, bufs.inp) if geo.mode != NEAREST else None
         _backward_launch(b, geo, go, inp, bufs.grid, None, bufs.gg.ref, F_GG)
+
+
+def _backward_sorted(b: _Builder, geo: Geometry, bufs: _Bufs) -> _Tensor:
+    """grad_input by sorted keys + sums in key order; returns the channels-last grad_output."""
+    t, a = CTYPES[geo.dtype]
+    acc_item = ITEMSIZE[ACC_DTYPE[a]]
+    npts, npix = geo.N * geo.points, geo.N * geo.pixels
+    cell = TUNING["det_keys"] == "cell" and geo.mode != BICUBIC  # "count" on float64 sorts by tap
+    if cell:  # one key per point: its cell
+        D, H, W = geo.in_sp
+        dests = geo.N * (D + 1 if geo.nd == 3 else 1) * (H + 1) * (W + 1)
+        per_dest, n_keys, kernels = geo.points, npts, ("gs_cell_keys", "gs_cell_gather")
+    else:  # one key per (point, tap): its destination pixel
+        k = _taps(geo)
+        dests, per_dest, n_keys, kernels = npix, geo.points * k, npts * k, ("gs_keys", "gs_gather")
+    if dests * per_dest >= 2**62:
+        raise BufferMismatchError("grid", "size", "N * input pixels * output points * taps < 2**62 for the "
+                                  "deterministic backward's int64 keys", dests * per_dest)
+    go = _go_cl(b, geo, bufs.go)
+    coords = b.buffer(npts * geo.nd * acc_item)
+    keys = b.buffer(n_keys * 8)
+    variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
+    b.launch(kernels[0] + variant, (_blocks(npts),), (BLOCK,),
+             (bufs.grid.ref, keys, coords, _geo_struct(geo, grid=_grid5(bufs.grid.strides, geo.nd))))
+    b.sort(keys, n_keys)
+    bounds = b.buffer(dests * 2 * 8)
+    b.zero(bounds, dests * 2 * 8)
+    b.launch("gs_bounds", (_blocks(n_keys),), (BLOCK,), (keys, bounds, np.int64(n_keys), np.int64(per_dest)))
+    _gather(b, geo, bufs, go, kernels[1] + variant, (keys, bounds, coords))
+    return go
 
 
 # ------------------------------------------------------------------------------------------------------
