@@ -18,8 +18,14 @@ with padding applied per tap, NaN coordinates (out of bounds, or clipped to 0 wh
 Backward algorithms (grad_grid is the same in both: each output point reduces its own channels in a fixed
 order, in registers and warp shuffles, so it is deterministic either way):
 
-* fast (default): grad_input is scattered with atomics into a channels-last accumulator (float32, float64
-  for float64 inputs; vector `red.global.add.v4.f32` on sm_90), then converted / transposed into the
+* tile (fast and deterministic, 16- and 32-bit inputs with dense 16-byte-aligned channel planes whose slice
+  fits in shared memory, enough blocks to fill the GPU; `_tile_shape`): gs_tile_sort counts, scans and places
+  each batch item's (point, weight) entries by destination pixel in shared memory, once for all channels;
+  gs_tile_gather stages a slice of grad_output (and input) channels pixel-major, 16 bytes per point, sums
+  each pixel's entries in float32 and writes grad_input once, and computes grad_grid per point. No global
+  atomics, memsets or transposes. The deterministic backward sorts every segment by (point, weight) first.
+* fast (default), elsewhere: grad_input is scattered with atomics into a channels-last accumulator (float32,
+  float64 for float64 inputs; vector `red.global.add.v4.f32` on sm_90), then converted / transposed into the
   result when the result is not already a channels-last float32 / float64 tensor. Not bit-reproducible.
 * deterministic, float16 / bfloat16 / float32: a counting sort by destination pixel (count with atomics,
   scan, place), which leaves the order within a pixel to chance; each pixel then sums its contributions
@@ -66,6 +72,9 @@ MAX_BLOCKS = 1 << 20  # grid-stride loops take the rest
 OPTIONS = _compile.BASE_OPTIONS
 INT_MAX = 2**31 - 1
 KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
+TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-memory fast backward (16/32-bit)
+TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample.cu
+TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
 COUNT_KERNELS = ("gs_count", "gs_gather_exact")  # its counting form (with gs_place<A, ..>, gs_absmax<T>)
 # (spatial dims, mode) pairs that exist: bicubic is 2-D only, as in torch
@@ -79,8 +88,14 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # gather is slower). "count" (16- and 32-bit inputs; float64 falls back to "tap", its sums need float64):
 # no sort at all, a counting sort by destination and exact fixed-point sums, so the order within a
 # destination does not matter; the default.
+# tile: the fast backward of 16- / 32-bit inputs with dense channel planes takes the shared-memory kernels
+# (gs_tile_sort + gs_tile_gather) where a slice's grad_output (+ input, for grad_grid) fits in a block's
+# shared memory and the (batch item, slice) blocks fill at least tile_min_fill of the SMs; else the
+# global-atomic kernel. tile_sort_bytes: shared memory of the sort block (counts + staged entries);
+# tile_scratch_bytes: the most its entry regions may take before fewer pixel ranges are used.
 # options: extra NVRTC options (e.g. "-DGS_BWD_MIN_BLOCKS=2").
-TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "options": ()}
+TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
+          "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": ()}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -103,8 +118,9 @@ def name_expressions(dtype: str | None = None) -> list[str]:
                 names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in CELL_KERNELS]
             if dt != "float64":
                 names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in COUNT_KERNELS] + [f"gs_place<{a}, {nd}, {mode}>"]
+                names += [f"{k}<{t}, {nd}, {mode}>" for k in TILE_KERNELS]
         if dt != "float64":
-            names.append(f"gs_absmax<{t}>")
+            names += [f"gs_absmax<{t}>", f"gs_gg_sum<{t}>"]
         names += [f"gs_to_cl<{t}, {t}>", f"gs_from_cl<{t}, {t}>"]
         if a != t:
             names.append(f"gs_from_cl<{a}, {t}>")
@@ -118,7 +134,8 @@ def backward_guarantee(*, deterministic: bool, dtype: str) -> dict:
         raise SpecError("dtype", dtype, f"expected one of {sorted(CTYPES)}")
     acc = ACC_DTYPE[CTYPES[dtype][1]]
     out = {"deterministic": bool(deterministic), "accumulator": acc, "algorithm": "atomic-scatter",
-           "grad_input": f"atomic adds in {acc} in arbitrary order, rounded once to {dtype}",
+           "grad_input": f"sums in {acc} in arbitrary order (global atomics, or a shared-memory sort by destination), "
+                         f"rounded once to {dtype}",
            "grad_grid": f"per output point, channels reduced in a fixed order in {acc}: deterministic"}
     if deterministic and _counting(dtype):
         out.update(accumulator="int64 fixed point", algorithm="counting-exact-gather",
@@ -126,7 +143,10 @@ def backward_guarantee(*, deterministic: bool, dtype: str) -> dict:
                                "e = 59 - ceil(log2(n)) - ceil(log2(max |grad_output|)) for an element with n "
                                "contributions (error <= n * 2^-(58 - ceil(log2(n)))) * max |grad_output|), summed "
                                f"exactly (so in no particular order), then rounded to float64 and to {dtype}; "
-                               "NaN / inf contributions give NaN / inf as an IEEE sum would"))
+                               "NaN / inf contributions give NaN / inf as an IEEE sum would"),
+                   shared_memory_form=(f"where the tile kernels run (dense channel planes whose 16-byte chunks fit in "
+                                       f"shared memory): each element's contributions sorted by (point, weight) and "
+                                       f"summed in {acc} in that order, rounded once; also bit-identical run to run"))
     elif deterministic:
         out.update(algorithm="sorted-gather",
                    grad_input=f"each element summed in a fixed order (destination, point, tap) in {acc} and "
@@ -332,7 +352,7 @@ class _Plan(NamedTuple):
     outputs: dict  # role -> _Desc of the results to allocate
     scratch: tuple  # (name, offset) in one scratch allocation
     scratch_bytes: int
-    ops: tuple  # ("zero", ref, nbytes) | ("launch", function, grid, block, args, name) | ("sort", ref, n)
+    ops: tuple  # ("zero", ref, nbytes) | ("launch", function, grid, block, args, name, shared bytes) | ("sort", ref, n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -357,9 +377,10 @@ class _Builder:
         if nbytes:
             self.ops.append(("zero", ref, int(nbytes)))
 
-    def launch(self, name: str, grid, block, args) -> None:
+    def launch(self, name: str, grid, block, args, shared: int = 0) -> None:
         fn = _functions(self.device, self.dtype, OPTIONS + tuple(TUNING.get("options", ())))[name]
-        self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name))
+        _allow_shared(fn, self.device, shared)
+        self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name, int(shared)))
 
     def sort(self, ref: _Ref, n: int) -> None:
         self.ops.append(("sort", ref, int(n)))
@@ -389,6 +410,25 @@ class _Builder:
         return _Plan(geo, outputs, tuple(offsets), total, tuple(self.ops))
 
 
+@functools.lru_cache(maxsize=None)
+def _device_limits(device: int) -> tuple[int, int]:
+    """(opt-in shared memory bytes per block, multiprocessors) of `device`."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    return int(props["sharedMemPerBlockOptin"]), int(props["multiProcessorCount"])
+
+
+def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
+    """Let `fn` launch with `nbytes` of dynamic shared memory (above 48 KiB a kernel must opt in)."""
+    import cupy
+
+    if nbytes > 48 * 1024 and isinstance(fn, cupy.RawKernel):
+        with cupy.cuda.Device(device):
+            if fn.max_dynamic_shared_size_bytes < nbytes:
+                fn.max_dynamic_shared_size_bytes = nbytes
+
+
 def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
     import cupy
 
@@ -411,8 +451,8 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
             start = cupy.cuda.Event()
             start.record(stream)
         if op[0] == "launch":
-            _, fn, grid, block, args, _name = op
-            fn(grid, block, tuple(arg(a) for a in args), stream=stream)
+            _, fn, grid, block, args, _name, shared = op
+            fn(grid, block, tuple(arg(a) for a in args), stream=stream, shared_mem=shared)
         elif op[0] == "zero":
             cupy.cuda.runtime.memsetAsync(ptrs[op[1].name] + op[1].offset, 0, op[2], stream_ptr)
         elif op[0] == "scan":  # CuPy's cumsum, on the launch stream
@@ -575,7 +615,90 @@ def _backward_launch(b: _Builder, geo: Geometry, go: _Tensor, inp: _Tensor | Non
              (go.ref, inp.ref if inp is not None else None, grid.ref, gi, gg, g))
 
 
+class _TileShape(NamedTuple):
+    slices: int  # channel slices of 16 bytes per pixel (the gather's blocks per batch item)
+    ranges: int  # pixel ranges sorted apart (the sort's blocks per batch item)
+    range_pixels: int
+    staged: int  # entries a sort block stages in shared memory before writing them out
+    sort_shared: int
+    gather_shared: int
+    stage_input: bool  # grad_grid reads the input's corner values (not for nearest)
+
+
+def _planes_dense(t: _Tensor, shape, values: int) -> bool:
+    """Every channel plane of `t` (N, C, *spatial) is dense and starts on a `values`-element (16-byte) boundary."""
+    dense = _contiguous_strides(shape)[2:]
+    if any(st != e and d != 1 for st, e, d in zip(t.strides[2:], dense, shape[2:])):
+        return False
+    return int(t.ref) % TILE_CHUNK == 0 and all(st % values == 0 for st, d in zip(t.strides[:2], shape[:2]) if d > 1)
+
+
+def _round8(chunks: int) -> int:
+    return -(-chunks // 8) * 8  # chunk_at() in grid_sample.cu permutes chunks within groups of 8
+
+
+def _tile_shape(geo: Geometry, bufs: _Bufs, device: int) -> _TileShape | None:
+    """How the shared-memory fast backward runs this call, or None where the global-atomic kernel does."""
+    if not TUNING["tile"] or bufs.gi is None or geo.dtype == "float64":
+        return None
+    values = TILE_CHUNK // ITEMSIZE[geo.dtype]
+    stage = bufs.gg is not None and geo.mode != NEAREST
+    if geo.points % values or geo.pixels % values or not _planes_dense(bufs.go, geo.output_shape(), values):
+        return None
+    in_shape = _in_shape(geo)
+    if not _planes_dense(_Tensor(_Ref("grad_input"), bufs.gi.strides), in_shape, values) or (
+            stage and not _planes_dense(bufs.inp, in_shape, values)):
+        return None
+    limit, sms = _device_limits(device)
+    gather_shared = TILE_CHUNK * (_round8(geo.points) + (_round8(geo.pixels) if stage else 0))
+    slices = -(-geo.C // values)
+    if gather_shared > limit or geo.N * slices < TUNING["tile_min_fill"] * sms:
+        return None
+    entries_per_range = geo.N * _taps(geo) * geo.points * 8
+    ranges = max(1, min(sms // min(geo.N, 65535), geo.pixels // 512,
+                        TUNING["tile_scratch_bytes"] // entries_per_range))
+    range_pixels = -(-geo.pixels // ranges)
+    ranges = -(-geo.pixels // range_pixels)
+    counts = -(-range_pixels // 32) * 32 * 4
+    if counts > limit:
+        return None
+    staged = max(0, min(_taps(geo) * geo.points, (min(limit, TUNING["tile_sort_bytes"]) - counts) // 8))
+    return _TileShape(slices, ranges, range_pixels, staged, counts + staged * 8, gather_shared, stage)
+
+
+def _backward_tile(b: _Builder, geo: Geometry, bufs: _Bufs, ts: _TileShape, *, ordered: bool) -> None:
+    """grad_input (and grad_grid) by the tile kernels; `ordered`: segments sorted, bit-identical run to run."""
+    t = CTYPES[geo.dtype][0]
+    variant = f"<{t}, {geo.nd}, {geo.mode}>"
+    threads, n_blocks = (TILE_THREADS[geo.mode],), min(geo.N, 65535)
+    entries = b.buffer(geo.N * ts.ranges * _taps(geo) * geo.points * 8)
+    ends = b.buffer(geo.N * geo.pixels * 4)
+    g = _geo_struct(geo, inp=_nc5(bufs.inp.strides, geo.nd), grid=_grid5(bufs.grid.strides, geo.nd),
+                    go=_nc5(bufs.go.strides, geo.nd))
+    b.launch("gs_tile_sort" + variant, (ts.ranges, n_blocks), threads,
+             (bufs.grid.ref, entries, ends, g, np.int32(ts.range_pixels), np.int32(ts.staged), np.int32(ordered)),
+             shared=ts.sort_shared)
+    gg = partials = None
+    if bufs.gg is not None and geo.mode == NEAREST:  # nearest: grad_grid is 0
+        b.zero(bufs.gg.ref, geo.N * geo.points * geo.nd * ITEMSIZE[geo.dtype])
+    elif bufs.gg is not None and ts.slices == 1:
+        gg = bufs.gg.ref
+    elif bufs.gg is not None:
+        partials = b.buffer(ts.slices * geo.N * geo.points * geo.nd * 4)
+    b.launch("gs_tile_gather" + variant, (ts.slices, n_blocks), threads,
+             (bufs.go.ref, bufs.inp.ref if ts.stage_input else None, bufs.grid.ref, entries, ends, bufs.gi.ref, gg,
+              partials, g, np.int64(bufs.gi.strides[0]), np.int64(bufs.gi.strides[1]), np.int32(ts.range_pixels)),
+             shared=ts.gather_shared)
+    if partials is not None:
+        count = geo.N * geo.points * geo.nd
+        b.launch(f"gs_gg_sum<{t}>", (_blocks(count),), (BLOCK,), (partials, bufs.gg.ref, np.int64(count),
+                                                                   np.int32(ts.slices)))
+
+
 def _backward_fast(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+    ts = _tile_shape(geo, bufs, b.device)
+    if ts is not None:
+        return _backward_tile(b, geo, bufs, ts, ordered=False)
     t, a = CTYPES[geo.dtype]
     acc_bytes = geo.N * geo.C * geo.pixels * ITEMSIZE[ACC_DTYPE[a]]
     flags, acc, direct = 0, None, False
@@ -633,6 +756,9 @@ def _gather(b: _Builder, geo: Geometry, bufs: _Bufs, go: _Tensor, kernel: str, h
 
 
 def _backward_deterministic(b: _Builder, geo: Geometry, bufs: _Bufs) -> None:
+    ts = _tile_shape(geo, bufs, b.device)
+    if ts is not None:
+        return _backward_tile(b, geo, bufs, ts, ordered=True)
     go = bufs.go
     if bufs.gi is not None:
         go = (_backward_counting if _counting(geo.dtype) else _backward_sorted)(b, geo, bufs)

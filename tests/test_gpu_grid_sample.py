@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -601,6 +602,166 @@ def test_more_than_2_31_elements():
 
 
 # ------------------------------------------------------------------------------------------------------
+# The shared-memory fast backward (gs_tile_sort + gs_tile_gather)
+# ------------------------------------------------------------------------------------------------------
+def _kernels_of(call) -> set:
+    """Kernel names (without template arguments) that `call()` launched."""
+    gs.PROFILE = []
+    try:
+        call()
+        torch.cuda.synchronize()
+        return {label.split("<")[0] for label, _, _ in gs.PROFILE}
+    finally:
+        gs.PROFILE = None
+
+
+def _force_tile(monkeypatch, **knobs):
+    monkeypatch.setitem(gs.TUNING, "tile_min_fill", 0)  # small test shapes take it too
+    for k, v in knobs.items():
+        monkeypatch.setitem(gs.TUNING, k, v)
+
+
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("nd", [2, 3])
+def test_tile_backward_full_matrix(monkeypatch, nd, staged):
+    """mode x padding x align x f16 / bf16 / f32 through the tile kernels (fast and deterministic), with 1 and
+    several (uneven) channel slices; entries staged in shared memory or (tile_sort_bytes too small) placed
+    straight into global."""
+    _force_tile(monkeypatch, **({} if staged else {"tile_sort_bytes": 0}))
+    torch.manual_seed(31 + nd)
+    # whole 16-byte chunks (8 values in 16-bit, 4 in f32); the f32 sizes are not multiples of 8 chunks
+    shapes = {2: (((8, 12), (6, 4)), ((5, 4), (3, 4))), 3: (((4, 4, 6), (2, 4, 4)), ((3, 2, 2), (1, 3, 4)))}
+    n = 3
+    failures = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        in_sp, out_sp = shapes[nd][dtype == "float32"]
+        for c in (3, 11):  # one slice; 2 (f16) or 3 (f32) slices, the last one partial
+            for mode in MODES[nd]:
+                for pad in PADS:
+                    for align in (False, True):
+                        def case():
+                            return run_case(nd, mode, pad, align, dtype, "contiguous", n, c, in_sp, out_sp)
+                        try:
+                            kernels = _kernels_of(lambda: failures.append(case()))
+                            if not {"gs_tile_sort", "gs_tile_gather"} <= kernels:
+                                failures.append(dict(dtype=dtype, c=c, mode=mode, kernels=sorted(kernels)))
+                        except Exception as err:
+                            failures.append(dict(nd=nd, mode=mode, pad=pad, align=align, dtype=dtype, c=c,
+                                                 error=f"{type(err).__name__}: {err}"[:500]))
+    _fail_if_any(f"tile_matrix[{nd}-{staged}]", [f for f in failures if f])
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_tile_deterministic_backward_is_bit_identical(monkeypatch, staged):
+    """Sorted segments: 5 runs give the same bits, also where border padding clamps many points onto the edge
+    pixels (long segments: the heapsort); and the values match the oracle."""
+    _force_tile(monkeypatch, **({} if staged else {"tile_sort_bytes": 0}))
+    torch.manual_seed(37)
+    failures = []
+    for nd, mode, in_sp, out_sp in ((2, "bilinear", (16, 16), (32, 16)), (2, "bicubic", (8, 16), (16, 16)),
+                                    (3, "bilinear", (4, 8, 8), (4, 8, 8)), (2, "nearest", (16, 16), (32, 16))):
+        for dtype in ("float16", "bfloat16", "float32"):
+            inp, go = rand((3, 12, *in_sp), dtype), rand((3, 12, *out_sp), dtype)
+            grid = make_grid(3, out_sp, in_sp, False, dtype, lo=-3.0, hi=3.0)  # 2/3 of the points clamp
+            runs = [gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode="border", deterministic=True)
+                    for _ in range(5)]
+            same = all(torch.equal(_bits(r[0]), _bits(runs[0][0])) and torch.equal(_bits(r[1]), _bits(runs[0][1]))
+                       for r in runs[1:])
+            _, ref_gi, ref_gg = oracle(inp, grid, go, mode, "border", False)
+            errs = (rel(runs[0][0], ref_gi), rel(runs[0][1], ref_gg))
+            kernels = _kernels_of(lambda: gs.grid_sample_backward(go, inp, grid, mode=mode, padding_mode="border",
+                                                                  deterministic=True))
+            if not same or max(errs) > TOL[dtype] or "gs_tile_sort" not in kernels:
+                failures.append(dict(nd=nd, mode=mode, dtype=dtype, same=same, errs=errs, kernels=sorted(kernels)))
+    _fail_if_any(f"tile_deterministic[{staged}]", failures)
+
+
+def test_tile_backward_gradient_subsets(monkeypatch):
+    """grad_input only, grad_grid only (the global kernel), and both, through the tile path."""
+    _force_tile(monkeypatch)
+    torch.manual_seed(33)
+    inp, go = rand((4, 16, 16, 16), "float16"), rand((4, 16, 8, 16), "float16")
+    grid = make_grid(4, (8, 16), (16, 16), False, "float16")
+    _, ref_gi, ref_gg = oracle(inp, grid, go, "bilinear", "reflection", False)
+    for need in ((True, True), (True, False), (False, True)):
+        got = {}
+        kernels = _kernels_of(lambda: got.update(zip("ab", gs.grid_sample_backward(
+            go, inp, grid, padding_mode="reflection", input_requires_grad=need[0], grid_requires_grad=need[1]))))
+        assert ("gs_tile_gather" in kernels) == need[0], (need, kernels)
+        assert (got["a"] is None) != need[0] and (got["b"] is None) != need[1]
+        if need[0]:
+            assert rel(got["a"], ref_gi) < TOL["float16"]
+        if need[1]:
+            assert rel(got["b"], ref_gg) < TOL["float16"]
+
+
+def test_tile_backward_non_finite_like_torch(monkeypatch):
+    """NaN / inf / huge grid values and NaN / inf grad_output values through the tile kernels, against torch's own
+    kernel in the same dtype."""
+    _force_tile(monkeypatch)
+    torch.manual_seed(34)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.25], dtype=torch.float64)
+    failures = []
+    for nd in (2, 3):
+        in_sp, out_sp = ((4, 8), (4, 6)) if nd == 2 else ((2, 4, 4), (2, 2, 6))
+        for dtype in ("float32", "float16"):
+            for mode in MODES[nd]:
+                for pad in PADS:
+                    for align in (False, True):
+                        inp = rand((2, 5, *in_sp), dtype)
+                        grid = make_grid(2, out_sp, in_sp, align, dtype).double()
+                        flat = grid.view(-1)
+                        idx = torch.randperm(flat.numel(), device="cuda")[: flat.numel() // 3]
+                        flat[idx] = specials.cuda()[torch.randint(0, len(specials), (len(idx),), device="cuda")]
+                        grid = grid.to(TD[dtype])
+                        go = rand((2, 5, *out_sp), dtype)
+                        go.view(-1)[torch.randperm(go.numel(), device="cuda")[:2]] = float("inf")
+                        go.view(-1)[torch.randperm(go.numel(), device="cuda")[:1]] = float("nan")
+                        ref = _torch_same_dtype(inp.float(), grid.float(), go.float(), mode, pad, align)
+                        got = {}
+                        kernels = _kernels_of(lambda: got.update(zip(("gi", "gg"), gs.grid_sample_backward(
+                            go, inp, grid, mode=mode, padding_mode=pad, align_corners=align))))
+                        bad = [k for k, r in (("gi", ref[1]), ("gg", ref[2]))
+                               if not _close(got[k].float(), r, torch.float32 if dtype == "float32" else torch.float16)]
+                        if bad or "gs_tile_gather" not in kernels:
+                            failures.append(dict(nd=nd, dtype=dtype, mode=mode, pad=pad, align=align, bad=bad))
+    _fail_if_any("tile_non_finite", failures)
+
+
+@pytest.mark.parametrize("kind", ["random", "affine"])
+def test_issue_f16_shape_takes_the_tile_path_by_default(kind):
+    """(32, 32, 64, 64) f16 -> 64 x 64: no knob needed; within f16 rounding of a float64 reference."""
+    torch.manual_seed(35)
+    inp, go = rand((32, 32, 64, 64), "float16"), rand((32, 32, 64, 64), "float16")
+    if kind == "random":
+        grid = (torch.rand((32, 64, 64, 2), device="cuda") * 2 - 1).half()
+    else:
+        theta = torch.tensor([[0.8, -0.45, 0.05], [0.45, 0.8, -0.05]], device="cuda").expand(32, 2, 3)
+        grid = F.affine_grid(theta, (32, 1, 64, 64), align_corners=False).half()
+    got = {}
+    kernels = _kernels_of(lambda: got.update(zip(("gi", "gg"), gs.grid_sample_backward(go, inp, grid))))
+    assert {"gs_tile_sort", "gs_tile_gather", "gs_gg_sum"} == kernels
+    ref = _torch_same_dtype(inp.double(), grid.double(), go.double(), "bilinear", "zeros", False)
+    assert rel(got["gi"], ref[1]) < 1e-3 and rel(got["gg"], ref[2]) < 1e-3
+
+
+def test_tile_backward_more_than_65535_batch_items(monkeypatch):
+    """Blocks loop over batch items past the grid's 65535 limit (both kernels)."""
+    _force_tile(monkeypatch)
+    torch.manual_seed(36)
+    n = 65535 + 7
+    inp, go = rand((n, 5, 2, 4), "float32"), rand((n, 5, 2, 2), "float32")
+    grid = make_grid(n, (2, 2), (2, 4), True, "float32")
+    got = {}
+    kernels = _kernels_of(lambda: got.update(zip(("gi", "gg"), gs.grid_sample_backward(go, inp, grid,
+                                                                                        align_corners=True))))
+    assert "gs_tile_gather" in kernels
+    _, ref_gi, ref_gg = oracle(inp, grid, go, "bilinear", "zeros", True)
+    assert rel(got["gi"], ref_gi) < TOL["float32"] and rel(got["gg"], ref_gg) < TOL["float32"]
+    assert got["gi"][-1].abs().sum() > 0 and got["gg"][-1].abs().sum() > 0  # the last items were written
+
+
+# ------------------------------------------------------------------------------------------------------
 # compute-sanitizer memcheck, one configuration per kernel
 # ------------------------------------------------------------------------------------------------------
 SANITIZER_SCRIPT = r"""
@@ -623,6 +784,15 @@ for nd, mode in gs.VARIANTS:
             for det, keys in ((False, "count"), (True, "count"), (True, "tap")):
                 gs.TUNING["det_keys"] = keys
                 gs.grid_sample_backward(go, inp, g, mode=m, padding_mode="border", align_corners=True, deterministic=det)
+gs.TUNING["tile_min_fill"] = 0  # the tile kernels, entries staged and placed directly
+for nd, mode in gs.VARIANTS:
+    m = gs.MODES[mode]
+    sp, osp = ((4, 6), (2, 4)) if nd == 2 else ((2, 2, 6), (2, 2, 2))
+    for c, dt in ((5, "float32"), (11, "float16")):
+        for sort_bytes in (96 * 1024, 0):
+            gs.TUNING["tile_sort_bytes"] = sort_bytes
+            g = cupy.asarray(rng.uniform(-1.2, 1.2, (2,) + osp + (nd,)).astype(dt))
+            gs.grid_sample_backward(arr((2, c) + osp, dt), arr((2, c) + sp, dt), g, mode=m, padding_mode="zeros")
 cupy.cuda.runtime.deviceSynchronize()
 print("SANITIZER-SCRIPT-OK")
 """
@@ -639,18 +809,39 @@ def _sanitizer():
     return None
 
 
-def test_compute_sanitizer_memcheck():
+RACECHECK_SCRIPT = r"""
+import cupy, numpy as np
+from fallback_kernels import grid_sample as gs
+rng = np.random.default_rng(1)
+gs.TUNING["tile_min_fill"] = 0
+for nd, sp, osp in ((2, (8, 8), (4, 8)), (3, (2, 4, 4), (2, 2, 4))):
+    for sort_bytes in (96 * 1024, 0):
+        gs.TUNING["tile_sort_bytes"] = sort_bytes
+        g = cupy.asarray(rng.uniform(-1.1, 1.1, (2,) + osp + (nd,)).astype("float16"))
+        x = cupy.asarray(rng.standard_normal((2, 11) + sp).astype("float16"))
+        go = cupy.asarray(rng.standard_normal((2, 11) + osp).astype("float16"))
+        gs.grid_sample_backward(go, x, g)
+cupy.cuda.runtime.deviceSynchronize()
+print("SANITIZER-SCRIPT-OK")
+"""
+
+
+@pytest.mark.parametrize("tool_name, script", [("memcheck", SANITIZER_SCRIPT), ("racecheck", RACECHECK_SCRIPT)])
+def test_compute_sanitizer(tool_name, script):
+    """memcheck over every kernel; racecheck (shared-memory hazards) over the tile kernels."""
     pytest.importorskip("cupy")
     tool = _sanitizer()
     if tool is None:
         pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     start = time.time()
-    proc = subprocess.run([tool, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c",
-                           SANITIZER_SCRIPT], capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run([tool, "--tool", tool_name, "--error-exitcode", "3", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=240, env=env)
     text = proc.stdout + proc.stderr
-    summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line]
-    _report("sanitizer", [] if proc.returncode == 0 else [dict(rc=proc.returncode, tail=text[-3000:])])
+    summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
+    _report(f"sanitizer-{tool_name}", [] if proc.returncode == 0 else [dict(rc=proc.returncode, tail=text[-3000:])])
     assert proc.returncode == 0 and "SANITIZER-SCRIPT-OK" in text, text[-3000:]
-    assert summary and "0 errors" in summary[-1], summary
-    print(f"compute-sanitizer memcheck: {summary[-1].strip()} in {time.time() - start:.0f}s")
+    assert summary and re.search(r"(?<!\d)0 errors", summary[-1]), summary
+    if tool_name == "racecheck":
+        assert re.search(r"(?<!\d)0 hazards", summary[-1]), summary
+    print(f"compute-sanitizer {tool_name}: {summary[-1].strip()} in {time.time() - start:.0f}s")

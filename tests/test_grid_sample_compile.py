@@ -33,6 +33,10 @@ def test_every_kernel_and_variant_is_instantiated():
                     assert (f"{kernel}<{t}, {a}, {nd}, {mode}>" in names) == (dtype != "float64")
                 assert (f"gs_place<{a}, {nd}, {mode}>" in names) == (dtype != "float64")
         assert (f"gs_absmax<{t}>" in names) == (dtype != "float64")
+        assert (f"gs_gg_sum<{t}>" in names) == (dtype != "float64")
+        for nd, mode in gs.VARIANTS:  # the shared-memory fast backward: float accumulation only
+            for kernel in gs.TILE_KERNELS:
+                assert (f"{kernel}<{t}, {nd}, {mode}>" in names) == (dtype != "float64")
         assert f"gs_to_cl<{t}, {t}>" in names and f"gs_from_cl<{a}, {t}>" in names
     assert "gs_bounds" in names
     assert (3, gs.BICUBIC) not in gs.VARIANTS  # bicubic is 2-D only
@@ -171,6 +175,7 @@ def test_backward_guarantee(monkeypatch):
     g = gs.backward_guarantee(deterministic=True, dtype="float16")
     assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "int64 fixed point",
                                                                       "counting-exact-gather")
+    assert "sorted by (point, weight)" in g["shared_memory_form"]
     g = gs.backward_guarantee(deterministic=True, dtype="float64")  # float64 sums stay float64, sorted
     assert (g["deterministic"], g["accumulator"], g["algorithm"]) == (True, "float64", "sorted-gather")
     monkeypatch.setitem(gs.TUNING, "det_keys", "tap")
@@ -192,6 +197,9 @@ def _kernel_arity() -> dict[str, int]:
     return arity
 
 
+H100_SHARED, H100_SMS = 232448, 132  # opt-in shared memory per block, multiprocessors
+
+
 class _FakeFunction:
     def __init__(self, name):
         self.name = name
@@ -203,6 +211,7 @@ def cpu_plans(monkeypatch):
     names = set(gs.name_expressions())
     monkeypatch.setattr(gs, "_functions", lambda device, dtype, options: {
         n: _FakeFunction(n) for n in names})
+    monkeypatch.setattr(gs, "_device_limits", lambda device: (H100_SHARED, H100_SMS))
     gs._forward_plan.cache_clear()
     gs._backward_plan.cache_clear()
     yield
@@ -219,12 +228,13 @@ def _check_plan(plan, external):
         refs = [a for a in (op[4] if op[0] == "launch" else op[1:]) if isinstance(a, gs._Ref)]
         assert all(r.name in known for r in refs), op
         if op[0] == "launch":
-            _, fn, grid, block, args, name = op
+            _, fn, grid, block, args, name, shared = op
             assert name == fn.name
             base = fn.name.split("<")[0]
             assert len(args) == arity[base], (fn.name, len(args))
             assert all(0 < d < 2**31 for d in grid) and grid[1:] <= (65535, 65535)[: len(grid) - 1]
             assert 0 < __import__("math").prod(block) <= 1024
+            assert 0 <= shared <= H100_SHARED and (shared > 0) == (base in gs.TILE_KERNELS)
             for a in args:
                 if isinstance(a, np.ndarray):
                     assert a.dtype in (gs._GEO_DTYPE, gs._TR_DTYPE) and a.shape == (1,)
@@ -295,3 +305,99 @@ def test_empty_plans_launch_nothing(cpu_plans):
             plan = gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, True, True, det,
                                      gs._tuning_key())
             assert all(op[0] == "zero" for op in plan.ops)
+
+
+def _fast_plan(ishape, gshape, dtype="float16", mode="bilinear", layout="contiguous", need=(True, True), residue=0):
+    strides = {"contiguous": gs._contiguous_strides(ishape), "channels_last": gs._cl_strides(ishape),
+               "strided": tuple(st * 2 for st in gs._contiguous_strides(ishape))}[layout]
+    oshape = ishape[:2] + gshape[1:-1]
+    ikey = (ishape, strides, dtype, residue)
+    gkey = (gshape, gs._contiguous_strides(gshape), dtype, 0)
+    okey = (oshape, gs._format_strides(ishape, strides, oshape), dtype, residue)
+    plan = gs._backward_plan(0, okey, ikey, gkey, mode, "zeros", False, *need, False, gs._tuning_key())
+    _check_plan(plan, {"grad_output", "input", "grid", "grad_input", "grad_grid"})
+    return plan
+
+
+def _launches(plan):
+    return {op[5].split("<")[0]: op for op in plan.ops if op[0] == "launch"}
+
+
+def _rounded(*sizes):
+    return sum(-(-n // 256) * 256 for n in sizes)
+
+
+def test_fast_backward_takes_the_tile_kernels_where_they_fit(cpu_plans):
+    # the f16 shape: 8 channels per 16-byte chunk -> 4 slices; 132 SMs // 32 items -> 4 pixel ranges
+    plan = _fast_plan((32, 32, 64, 64), (32, 64, 64, 2))
+    ops = _launches(plan)
+    assert list(ops) == ["gs_tile_sort", "gs_tile_gather", "gs_gg_sum"]  # no memset, transposes or atomics
+    assert not any(op[0] == "zero" for op in plan.ops)
+    sort, gather = ops["gs_tile_sort"], ops["gs_tile_gather"]
+    assert (sort[2], sort[3], gather[2], gather[3]) == ((4, 32), (1024,), (4, 32), (1024,))
+    assert int(sort[4][-3]) == 1024 and int(gather[4][-1]) == 1024  # pixels per range
+    # counts for 1024 pixels + as many staged entries as fit in 96 KiB; grad_output + input chunks
+    assert sort[6] == 96 * 1024 and int(sort[4][-2]) == (96 * 1024 - 4096) // 8
+    assert gather[6] == 16 * (4096 + 4096)
+    entries, ends, partials = 32 * 4 * 4 * 4096 * 8, 32 * 4096 * 4, 4 * 32 * 4096 * 2 * 4
+    assert plan.scratch_bytes == _rounded(entries, ends, partials)
+    # grad_input only: the input is not read, nor staged; no partials
+    plan = _fast_plan((32, 32, 64, 64), (32, 64, 64, 2), need=(True, False))
+    gather = _launches(plan)["gs_tile_gather"]
+    assert gather[6] == 16 * 4096 and gather[4][1] is None and gather[4][6] is None and gather[4][7] is None
+    assert list(_launches(plan)) == ["gs_tile_sort", "gs_tile_gather"]
+    # f32: 4 channels per chunk; one slice writes grad_grid itself
+    plan = _fast_plan((160, 4, 32, 32), (160, 32, 32, 2), dtype="float32")
+    assert list(_launches(plan)) == ["gs_tile_sort", "gs_tile_gather"]
+    assert _launches(plan)["gs_tile_gather"][2] == (1, 160)
+    # bicubic: 512 threads, 16 taps per point; nearest: grad_grid zeroed, nothing but grad_output staged
+    plan = _fast_plan((32, 32, 64, 64), (32, 64, 64, 2), mode="bicubic")
+    assert {op[3] for op in _launches(plan).values() if op[5].startswith("gs_tile")} == {(512,)}
+    plan = _fast_plan((32, 32, 64, 64), (32, 64, 64, 2), mode="nearest")
+    assert [op[0] for op in plan.ops].count("zero") == 1 and _launches(plan)["gs_tile_gather"][6] == 16 * 4096
+    # 3-D, bf16, an odd channel count (the last slice holds 3 of 8)
+    plan = _fast_plan((32, 19, 8, 16, 16), (32, 8, 16, 16, 3), dtype="bfloat16")
+    assert _launches(plan)["gs_tile_gather"][2] == (3, 32)
+
+
+def test_deterministic_backward_takes_the_tile_kernels_ordered(cpu_plans):
+    oshape, ishape = (32, 32, 64, 64), (32, 32, 64, 64)
+    ikey = (ishape, gs._contiguous_strides(ishape), "float16", 0)
+    gkey = ((32, 64, 64, 2), gs._contiguous_strides((32, 64, 64, 2)), "float16", 0)
+    okey = (oshape, gs._contiguous_strides(oshape), "float16", 0)
+    for det in (False, True):
+        plan = gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, True, True, det, gs._tuning_key())
+        _check_plan(plan, {"grad_output", "input", "grid", "grad_input", "grad_grid"})
+        ops = _launches(plan)
+        assert list(ops) == ["gs_tile_sort", "gs_tile_gather", "gs_gg_sum"]
+        assert int(ops["gs_tile_sort"][4][-1]) == det  # deterministic: segments sorted
+    plan = gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, False, True, True, gs._tuning_key())
+    assert "gs_tile_sort" not in _launches(plan)  # grad_grid alone: the global kernel, deterministic as is
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(ishape=(8, 64, 128, 128), gshape=(8, 128, 128, 2)), "2 * 16384 chunks of 16 bytes > 227 KiB"),
+    (dict(ishape=(2, 32, 64, 64), gshape=(2, 64, 64, 2)), "2 * 4 blocks fill 8 of 132 SMs"),
+    (dict(ishape=(32, 32, 64, 64), gshape=(32, 64, 64, 2), dtype="float64"), "float64 keeps the global kernel"),
+    (dict(ishape=(32, 32, 64, 64), gshape=(32, 64, 64, 2), layout="channels_last"), "channels-last planes"),
+    (dict(ishape=(32, 32, 64, 64), gshape=(32, 64, 64, 2), layout="strided"), "planes with gaps"),
+    (dict(ishape=(32, 32, 64, 64), gshape=(32, 64, 64, 2), residue=8), "planes not 16-byte aligned"),
+    (dict(ishape=(32, 32, 64, 64), gshape=(32, 63, 63, 2)), "3969 points: not whole chunks"),
+])
+def test_fast_backward_keeps_the_global_kernel_elsewhere(cpu_plans, kw, why):
+    kernels = _launches(_fast_plan(**kw))
+    assert "gs_backward" in kernels and not set(gs.TILE_KERNELS) & set(kernels), why
+
+
+def test_tile_knobs(cpu_plans, monkeypatch):
+    monkeypatch.setitem(gs.TUNING, "tile", False)
+    assert "gs_tile_sort" not in _launches(_fast_plan((32, 32, 64, 64), (32, 64, 64, 2)))
+    monkeypatch.setitem(gs.TUNING, "tile", True)
+    monkeypatch.setitem(gs.TUNING, "tile_min_fill", 0)
+    sort = _launches(_fast_plan((2, 32, 64, 64), (2, 64, 64, 2)))["gs_tile_sort"]
+    assert sort[2] == (8, 2)  # 4096 pixels // 512 caps the ranges at 8
+    monkeypatch.setitem(gs.TUNING, "tile_scratch_bytes", 2 * 4 * 4096 * 8 * 3)  # room for 3 ranges
+    assert _launches(_fast_plan((2, 32, 64, 64), (2, 64, 64, 2)))["gs_tile_sort"][2] == (3, 2)
+    monkeypatch.setitem(gs.TUNING, "tile_sort_bytes", 1024)  # counts alone exceed it: nothing staged
+    sort = _launches(_fast_plan((2, 32, 64, 64), (2, 64, 64, 2)))["gs_tile_sort"]
+    assert int(sort[4][-2]) == 0 and sort[6] == 1376 * 4  # 1366 pixels per range, rounded up to 32

@@ -3,7 +3,8 @@
     python tools/bench_grid_sample.py [--out results.json] [--reps 50] [--grids random,affine]
 
 Per shape and grid kind: torch's CUDA backward (aten::grid_sampler_{2,3}d_backward, both gradients),
-ours fast (atomics) and ours deterministic, bilinear / zeros / align_corners=False. Two numbers each:
+ours fast and ours deterministic (the tile kernels where they apply, else atomics / a counting sort),
+bilinear / zeros / align_corners=False. Two numbers each:
 
 * gpu_ms: median over reps of CUDA-event time of one call, with the GPU held busy by a sleep kernel
   while the call is enqueued, so launch gaps from host overhead are excluded (pure device time);
