@@ -72,7 +72,7 @@ MAX_BLOCKS = 1 << 20  # grid-stride loops take the rest
 OPTIONS = _compile.BASE_OPTIONS
 INT_MAX = 2**31 - 1
 KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
-TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-memory fast backward (16/32-bit)
+TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-memory backward (16/32-bit)
 TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample.cu
 TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
@@ -88,7 +88,7 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # gather is slower). "count" (16- and 32-bit inputs; float64 falls back to "tap", its sums need float64):
 # no sort at all, a counting sort by destination and exact fixed-point sums, so the order within a
 # destination does not matter; the default.
-# tile: the fast backward of 16- / 32-bit inputs with dense channel planes takes the shared-memory kernels
+# tile: both backwards of 16- / 32-bit inputs with dense channel planes take the shared-memory kernels
 # (gs_tile_sort + gs_tile_gather) where a slice's grad_output (+ input, for grad_grid) fits in a block's
 # shared memory and the (batch item, slice) blocks fill at least tile_min_fill of the SMs; else the
 # global-atomic kernel. tile_sort_bytes: shared memory of the sort block (counts + staged entries);
@@ -134,8 +134,8 @@ def backward_guarantee(*, deterministic: bool, dtype: str) -> dict:
         raise SpecError("dtype", dtype, f"expected one of {sorted(CTYPES)}")
     acc = ACC_DTYPE[CTYPES[dtype][1]]
     out = {"deterministic": bool(deterministic), "accumulator": acc, "algorithm": "atomic-scatter",
-           "grad_input": f"sums in {acc} in arbitrary order (global atomics, or a shared-memory sort by destination), "
-                         f"rounded once to {dtype}",
+           "grad_input": f"sums in {acc} in arbitrary order (global atomics, or a shared-memory sort by "
+                         f"destination), rounded once to {dtype}",
            "grad_grid": f"per output point, channels reduced in a fixed order in {acc}: deterministic"}
     if deterministic and _counting(dtype):
         out.update(accumulator="int64 fixed point", algorithm="counting-exact-gather",
