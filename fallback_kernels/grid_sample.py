@@ -646,8 +646,7 @@ def _tile_shape(geo: Geometry, bufs: _Bufs, device: int) -> _TileShape | None:
     if geo.points % values or geo.pixels % values or not _planes_dense(bufs.go, geo.output_shape(), values):
         return None
     in_shape = _in_shape(geo)
-    if not _planes_dense(_Tensor(_Ref("grad_input"), bufs.gi.strides), in_shape, values) or (
-            stage and not _planes_dense(bufs.inp, in_shape, values)):
+    if not _planes_dense(bufs.gi, in_shape, values) or (stage and not _planes_dense(bufs.inp, in_shape, values)):
         return None
     limit, sms = _device_limits(device)
     gather_shared = TILE_CHUNK * (_round8(geo.points) + (_round8(geo.pixels) if stage else 0))
