@@ -52,7 +52,7 @@ def environment(device: int | None = None, *, deterministic: bool = False, allow
 
 @functools.lru_cache(maxsize=None)
 def _probe(device: int) -> Environment:
-    backend, frontend = _cudnn_versions()
+    backend, frontend, runtime = _cudnn_versions()
     gpu = _gpu_properties(device)
     return Environment(
         gpu_name=gpu.get("name", NO_GPU),
@@ -61,17 +61,27 @@ def _probe(device: int) -> Environment:
         cudnn_backend_version=backend,
         cudnn_frontend_version=frontend,
         cuda_driver_version=gpu.get("driver", 0),
-        cuda_runtime_version=_runtime_version(),
+        cuda_runtime_version=runtime,
     )
 
 
-def _cudnn_versions() -> tuple[int, str]:
+def _cudnn_versions() -> tuple[int, str, int]:
+    """(cuDNN backend version, frontend version, the CUDA runtime cuDNN was built with)."""
     try:
         import cudnn
 
-        return int(cudnn.backend_version()), str(cudnn.__version__)
+        backend, frontend = int(cudnn.backend_version()), str(cudnn.__version__)
     except Exception:  # no frontend or no libcudnn: the fingerprint says so
-        return 0, NO_GPU
+        return 0, NO_GPU, 0
+    return backend, frontend, _cudnn_cudart_version()
+
+
+def _cudnn_cudart_version() -> int:
+    """Asked of the libcudnn the frontend loaded (dlopen by soname finds it): no CuPy import (~0.1 s)."""
+    try:
+        return int(ctypes.CDLL("libcudnn.so.9").cudnnGetCudartVersion())
+    except (OSError, AttributeError):  # a libcudnn the loader cannot name: unknown
+        return 0
 
 
 # CUdevice_attribute values from cuda.h (stable since CUDA 2.x).
@@ -102,12 +112,3 @@ def _gpu_properties(device: int) -> dict:
     out["sm_count"] = attr(_ATTR_SM_COUNT)
     out["cc"] = (attr(_ATTR_CC_MAJOR), attr(_ATTR_CC_MINOR))
     return out
-
-
-def _runtime_version() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.runtimeGetVersion())
-    except Exception:  # CuPy absent or no libcudart: unknown
-        return 0

@@ -70,6 +70,14 @@ class BufferMismatchError(CudnnGraphsError, ValueError):
         super().__init__(f"buffer {role!r}: {what} expected {expected!r}, got {got!r}")
 
 
+class CudaDriverError(CudnnGraphsError, RuntimeError):
+    """A CUDA driver call failed; carries the call's name and its CUresult status."""
+
+    def __init__(self, call: str, status: int, detail: str = ""):
+        self.call = call
+        self.status = status
+        super().__init__(detail or f"{call} failed with CUresult {status}")
+
 
 class GraphCaptureError(CudnnGraphsError):
     """A plan could not be recorded into a CUDA graph; it still runs through `launch()`."""

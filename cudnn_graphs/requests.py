@@ -7,11 +7,13 @@ otherwise). `Session.run(request)` plans and executes it.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, NamedTuple
 
 from .errors import BufferMismatchError, SpecError
 from .execute import buffers as _buffers
-from .execute.streams import allocate_like
+from .execute.streams import allocate_like, capture_probe, stream_pointer, torch_allocator
+from .plan import default_session
 from .spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, geometry
 from .spec.specs import _ConvSpec
 
@@ -26,11 +28,23 @@ class _ConvRequest:
     spec_type: type
     primary: str  # the input whose dtype, device and layout set the spec's
     output_roles: tuple[str, ...]
+    roles: tuple[str, ...]  # every buffer role in constructor order: the fast path's positional order
 
-    def __init__(self, buffers: dict[str, Any], params: dict[str, Any]):
-        self.buffers = buffers
+    def __init__(self, objs: tuple, params: dict[str, Any]):
+        self._objs = objs  # in `roles` order: what the call path takes as is
         self.params = params
-        self.infos = {role: self._describe(role, obj) for role, obj in buffers.items() if obj is not None}
+        tensor = _buffers.torch_tensor_type()
+        for role, obj in zip(self.roles, objs):  # refuse what is no buffer now; torch tensors are checked at run
+            if obj is not None and not (tensor is not None and isinstance(obj, tensor)):
+                self._describe(role, obj)
+
+    @functools.cached_property
+    def buffers(self) -> dict[str, Any]:
+        return dict(zip(self.roles, self._objs))
+
+    @functools.cached_property
+    def infos(self) -> dict[str, _buffers.BufferInfo]:
+        return {role: self._describe(role, obj) for role, obj in self.buffers.items() if obj is not None}
 
     @staticmethod
     def _describe(role: str, obj: Any) -> _buffers.BufferInfo:
@@ -63,6 +77,10 @@ class _ConvRequest:
     def _extra(self) -> tuple:
         """Constructor arguments besides buffers and conv params that shape the spec."""
         return ()
+
+    @classmethod
+    def _from_parts(cls, objs: tuple, params: dict[str, Any], extra: tuple) -> "_ConvRequest":
+        raise NotImplementedError
 
     def _infer_spec(self) -> _ConvSpec:
         fields = self._fields()
@@ -97,6 +115,9 @@ class _ConvRequest:
             return {"groups": c // w_c}
         return {}
 
+    def _run(self, session, stream: Any) -> Any:
+        return run_buffers(type(self), self._objs, self.params, self._extra(), session=session, stream=stream)
+
 
 class ConvFwdRequest(_ConvRequest):
     """y = act(alpha * conv(x, w) + bias + beta * z); `groups` defaults to C // w.shape[1]."""
@@ -104,9 +125,15 @@ class ConvFwdRequest(_ConvRequest):
     spec_type = ConvFwdSpec
     primary = "x"
     output_roles = ("y",)
+    roles = ("x", "w", "bias", "z", "y")
 
     def __init__(self, x: Any, w: Any, y: Any = None, bias: Any = None, z: Any = None, **conv_params: Any):
-        super().__init__({"x": x, "w": w, "bias": bias, "z": z, "y": y}, dict(conv_params))
+        super().__init__((x, w, bias, z, y), conv_params)
+
+    @classmethod
+    def _from_parts(cls, objs: tuple, params: dict[str, Any], extra: tuple) -> "ConvFwdRequest":
+        x, w, bias, z, y = objs
+        return cls(x, w, y=y, bias=bias, z=z, **params)
 
     def _fields(self) -> dict[str, Any]:
         x, w = self.infos["x"].shape, self.infos["w"].shape
@@ -121,14 +148,20 @@ class ConvBwdDataRequest(_ConvRequest):
     spec_type = ConvBwdDataSpec
     primary = "dy"
     output_roles = ("dx",)
+    roles = ("dy", "w", "pre_act", "dx")
 
     def __init__(self, dy: Any, w: Any, dx: Any = None, *, pre_act: Any = None, x_shape: Any = None,
                  **conv_params: Any):
         self.x_shape = x_shape
-        super().__init__({"dy": dy, "w": w, "pre_act": pre_act, "dx": dx}, dict(conv_params))
+        super().__init__((dy, w, pre_act, dx), conv_params)
 
     def _extra(self) -> tuple:
         return (self.x_shape,)
+
+    @classmethod
+    def _from_parts(cls, objs: tuple, params: dict[str, Any], extra: tuple) -> "ConvBwdDataRequest":
+        dy, w, pre_act, dx = objs
+        return cls(dy, w, dx=dx, pre_act=pre_act, x_shape=extra[0], **params)
 
     def _fields(self) -> dict[str, Any]:
         dy, w = self.infos["dy"].shape, self.infos["w"].shape
@@ -147,15 +180,21 @@ class ConvBwdFilterRequest(_ConvRequest):
     spec_type = ConvBwdFilterSpec
     primary = "x"
     output_roles = ("dw", "db")
+    roles = ("x", "dy", "dw", "db")
 
     def __init__(self, x: Any, dy: Any, dw: Any = None, db: Any = None, *, w_shape: Any = None,
                  bias_grad: bool | None = None, **conv_params: Any):
         self.w_shape = w_shape
         self.bias_grad = bias_grad
-        super().__init__({"x": x, "dy": dy, "dw": dw, "db": db}, dict(conv_params))
+        super().__init__((x, dy, dw, db), conv_params)
 
     def _extra(self) -> tuple:
         return (self.w_shape, self.bias_grad)
+
+    @classmethod
+    def _from_parts(cls, objs: tuple, params: dict[str, Any], extra: tuple) -> "ConvBwdFilterRequest":
+        x, dy, dw, db = objs
+        return cls(x, dy, dw=dw, db=db, w_shape=extra[0], bias_grad=extra[1], **params)
 
     def _fields(self) -> dict[str, Any]:
         x, dy = self.infos["x"].shape, self.infos["dy"].shape
@@ -206,3 +245,111 @@ def _filter_from_sizes(x, dy, params: dict[str, Any]) -> tuple[int, ...]:
         raise SpecError("w_shape", None, f"no filter maps x_shape={x} to dy_shape={dy}; pass dw or w_shape")
     groups = params.get("groups") or 1
     return (dy[1], x[1] // groups, *((v - 1) // d + 1 for v, d in zip(span, dilation)))
+
+
+# -- the call path: requests and the functional helpers end here -------------------------------------
+
+class _Call(NamedTuple):
+    """A prepared call for one memo key: the launcher, how to make the missing outputs, what to return."""
+
+    launcher: Any
+    allocators: tuple[Callable[[], Any], ...]  # one per output the caller did not pass
+    pointer_of: Callable[[Any], int]
+    sources: tuple[tuple[bool, int], ...]  # per returned output: (allocated here?, index)
+
+
+_CALLS_SIZE = 1024
+_ONE_NEW = ((True, 0),)  # the common result: one output, allocated here
+
+
+def run_buffers(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *, session=None,
+                stream: Any = None) -> Any:
+    """Run the request of type `kind` made of `objs` (in `kind.roles` order): plan it on first sight,
+    then, for a repeated geometry, one dict lookup, the outputs' allocations and a launch."""
+    primary = objs[0]
+    tensor = _buffers.torch_tensor_type()
+    is_torch = tensor is not None and isinstance(primary, tensor)
+    device = primary.get_device() if is_torch else (_buffers.describe(primary, kind.primary).device or 0)
+    if device < 0:  # a CPU tensor: the slow path refuses it with a typed error
+        kind._from_parts(objs, params, extra).spec()
+    if session is None:
+        session = default_session(device)
+    elif device != session.device:
+        raise BufferMismatchError(kind.primary, "device", session.device, device)
+    framework = "torch" if is_torch else _buffers.framework_of(primary)
+    stream_ptr = stream_pointer(stream, framework, device)
+    key_parts, ptrs, owners = _buffers.read_all(kind.roles, objs, stream_ptr)
+    try:  # the values' types ride along: a memo hit must not let 1.0 or True pass where 1 was checked
+        key = (kind, key_parts, tuple(params.items()), tuple(map(type, params.values())), extra,
+               tuple(map(type, extra)))
+        call = session._calls.get(key)
+    except TypeError:  # an unhashable value (a list, a dict): the same key, spelled hashably
+        key = (kind, key_parts, _hashable(params), _hashable(extra))
+        call = session._calls.get(key)
+    new: list = []
+    if call is None:
+        call, new = _prepare(session, kind, objs, params, extra, stream_ptr)
+        if len(session._calls) >= _CALLS_SIZE:
+            session._calls.clear()
+        session._calls[key] = call
+    else:
+        new = [allocate() for allocate in call.allocators]
+    if new:
+        pointer_of = call.pointer_of
+        ptrs += tuple([pointer_of(t) for t in new])
+    call.launcher.launch(ptrs, stream_ptr, capture_probe(framework, stream))
+    del owners  # DLPack exports stay alive until the work is queued
+    if call.sources == _ONE_NEW:
+        return new[0]
+    values = [new[i] if made else objs[i] for made, i in call.sources]
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _prepare(session, kind: type, objs: tuple, params: dict[str, Any], extra: tuple,
+             stream_ptr: int) -> tuple[_Call, list]:
+    """The slow path of a new geometry: infer and check the spec, plan it, allocate the missing
+    outputs, check every buffer against the plan. Returns the prepared call and this call's outputs."""
+    request = kind._from_parts(objs, params, extra)
+    spec = request.spec()
+    descs = spec.tensors()
+    missing = [r for r in kind.output_roles if r in descs and request.buffers.get(r) is None]
+    allocators = tuple(_allocator(request, descs[r]) for r in missing)
+    new = [allocate() for allocate in allocators]
+    buffers = {role: b for role, b in request.buffers.items() if b is not None}
+    buffers.update(zip(missing, new))
+    plan = session.plan(spec, buffers=buffers if session.autotune_inputs == "request" else None)
+    framework, _, infos = plan._describe(buffers, stream_ptr)
+    plan._check(buffers, infos)
+    roles = tuple(r for r in kind.roles if request.buffers.get(r) is not None) + tuple(missing)
+    sources = tuple((True, missing.index(r)) if r in missing else (False, kind.roles.index(r))
+                    for r in kind.output_roles if r in descs)
+    pointer_of = _torch_pointer if framework == "torch" else _array_pointer
+    return _Call(plan.launcher(roles, framework), allocators, pointer_of, sources), new
+
+
+def _allocator(request: _ConvRequest, desc) -> Callable[[], Any]:
+    if request.framework == "torch":
+        return torch_allocator(desc, request.buffers[request.primary].device)
+    return functools.partial(allocate_like, desc, like=request.buffers[request.primary],
+                             framework=request.framework, device=request.device)
+
+
+def _torch_pointer(t: Any) -> int:
+    return t.data_ptr()
+
+
+def _array_pointer(a: Any) -> int:
+    return _buffers.describe(a, "output").ptr
+
+
+def _hashable(value: Any) -> Any:
+    """`value` as a memo key part with every leaf's type: lists as tuples, dicts as sorted pairs."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), _hashable(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("seq", type(value).__name__, tuple(_hashable(v) for v in value))
+    try:
+        hash(value)
+        return (type(value), value)
+    except TypeError:
+        return ("repr", type(value).__name__, repr(value))

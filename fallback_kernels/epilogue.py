@@ -69,19 +69,26 @@ class KernelPart:
     def prepare(self, ptrs: dict[str, int]) -> tuple:
         return self.make_args({role: np.uint64(ptrs.get(role, 0)) for role in self.roles}, np.uint64(self.meta.data.ptr))
 
-    def run(self, args: tuple, workspace_ptr: int, stream_ptr: int, handle: Any) -> None:
+    def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
+               handle: Any) -> Any:
+        """`run(ptrs)` launching the kernel on `stream_ptr`, `ptrs[slots[role]]` being a role's pointer
+        in this call and `fixed` holding the rest (scratch)."""
         import cupy
 
-        with cupy.cuda.Device(self.device), external_stream(stream_ptr):
-            self.function((self.grid,), (self.block,), args)
+        stream = external_stream(stream_ptr)
+        dynamic = [(role, slots[role]) for role in self.roles if role in slots]
+        base = {role: fixed.get(role, 0) for role in self.roles}
+        launch = functools.partial(self.function, (self.grid,), (self.block,))
+        device = self.device
 
-    def executor(self, args: tuple, workspace_ptr: int, stream_ptr: int, handle: Any) -> Any:
-        """A no-argument call that launches the kernel on `stream_ptr`."""
-        import cupy
+        def run(ptrs) -> None:
+            args = self.prepare({**base, **{role: ptrs[slot] for role, slot in dynamic}})
+            if cupy.cuda.runtime.getDevice() != device:  # a module is loaded per device: switch for the launch
+                with cupy.cuda.Device(device):
+                    return launch(args, stream=stream)
+            launch(args, stream=stream)
 
-        if cupy.cuda.runtime.getDevice() != self.device:  # a module is loaded per device: switch for the launch
-            return functools.partial(self.run, args, workspace_ptr, stream_ptr, handle)
-        return functools.partial(self.function, (self.grid,), (self.block,), args, stream=external_stream(stream_ptr))
+        return run
 
 
 def _grid(n: int) -> int:

@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 
 from ..errors import BufferMismatchError
 from ..spec import TensorDesc
-from ..spec.dtypes import ITEMSIZE
 from . import dlpack
 
+ALIGNMENT = 16  # bytes: what every tensor of our cuDNN graphs declares
 _TYPESTR = {"<f2": "float16", "<f4": "float32", "<f8": "float64", "<V2": "bfloat16", "<bf16": "bfloat16"}
 
 
@@ -39,6 +39,41 @@ def framework_of(obj: Any) -> str:
     if hasattr(obj, "__dlpack__"):
         return "dlpack"
     return "unknown"
+
+
+def torch_tensor_type() -> type | None:
+    """torch.Tensor once torch is imported (never imported here: a CuPy user pays nothing for it)."""
+    global _TORCH_TENSOR
+    if _TORCH_TENSOR is None:
+        torch = sys.modules.get("torch")
+        _TORCH_TENSOR = getattr(torch, "Tensor", None)
+    return _TORCH_TENSOR
+
+
+_TORCH_TENSOR: type | None = None
+
+
+def read_all(roles: tuple[str, ...], objs, stream: int) -> tuple[tuple, tuple[int, ...], list]:
+    """(key, pointers, owners) of buffers, each read once; None stands for an absent buffer. The key
+    holds what a plan's checks depend on (which buffers are given; shape, strides, dtype, device of
+    each; whether all are 16-byte aligned), so equal keys pass or fail the checks alike. Owners keep
+    DLPack exports alive until the launch is queued."""
+    tensor = torch_tensor_type()
+    parts, ptrs, owners = [], [], []
+    for role, obj in zip(roles, objs):
+        if obj is None:
+            parts.append(None)
+        elif tensor is not None and isinstance(obj, tensor):
+            parts.append((obj.shape, obj.stride(), obj.dtype, obj.get_device()))
+            ptrs.append(obj.data_ptr())
+        else:
+            info = describe(obj, role, stream=stream)
+            parts.append((info.shape, info.strides, info.dtype, info.device, info.framework))
+            ptrs.append(info.ptr)
+            if info.owner is not None:
+                owners.append(info.owner)
+    parts.append(all(p % ALIGNMENT == 0 for p in ptrs))
+    return tuple(parts), tuple(ptrs), owners
 
 
 def describe(obj: Any, role: str, *, stream: int | None = None) -> BufferInfo:
@@ -87,6 +122,8 @@ def check(info: BufferInfo, desc: TensorDesc, role: str, device: int) -> None:
     if info.framework == "pointer":
         if info.ptr == 0:
             raise BufferMismatchError(role, "pointer", "a non-null device pointer", 0)
+        if info.ptr % ALIGNMENT:
+            raise BufferMismatchError(role, "alignment", f"a multiple of {ALIGNMENT} bytes", hex(info.ptr))
         return
     if info.shape != desc.shape:
         raise BufferMismatchError(role, "shape", desc.shape, info.shape)
@@ -96,9 +133,11 @@ def check(info: BufferInfo, desc: TensorDesc, role: str, device: int) -> None:
         raise BufferMismatchError(role, "device", device, info.device)
     if not same_layout(info.strides, desc.strides, desc.shape):
         raise BufferMismatchError(role, "strides", desc.strides, info.strides)
-    # A misaligned element pointer faults inside cuDNN's kernels instead of failing cleanly.
-    if info.ptr % ITEMSIZE[desc.dtype]:
-        raise BufferMismatchError(role, "alignment", f"a multiple of {ITEMSIZE[desc.dtype]} bytes", hex(info.ptr))
+    # cuDNN graphs declare 16-byte aligned tensors (the frontend's default); its engines may use vector
+    # loads, so a less aligned pointer faults or reads wrong data instead of failing cleanly.
+    if info.ptr % ALIGNMENT:
+        raise BufferMismatchError(role, "alignment", f"a multiple of {ALIGNMENT} bytes (a view at an offset "
+                                  "breaks it: pass a copy, e.g. .clone())", hex(info.ptr))
 
 
 def same_layout(got: tuple[int, ...] | None, expected: tuple[int, ...], shape: tuple[int, ...]) -> bool:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Any
+from typing import Any, Callable
+
+from . import driver
 
 
 def stream_pointer(stream: Any, framework: str, device: int) -> int:
     """The cudaStream_t to launch on: the given one, else the framework's current stream."""
     if stream is not None:
-        if isinstance(stream, int):
+        if isinstance(stream, int) and not isinstance(stream, bool):
             return stream
         for attr in ("cuda_stream", "ptr", "handle"):
             value = getattr(stream, attr, None)
@@ -19,7 +21,8 @@ def stream_pointer(stream: Any, framework: str, device: int) -> int:
                 return value
         raise TypeError(f"stream: expected an int, torch.cuda.Stream or cupy Stream, got {type(stream).__name__}")
     if framework == "torch":
-        return sys.modules["torch"].cuda.current_stream(device).cuda_stream
+        # The raw getter skips building a torch.cuda.Stream object (0.2 us against 9 on an H100 host).
+        return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         with cupy.cuda.Device(device):
@@ -45,8 +48,7 @@ def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
 def allocate_like(desc, *, like: Any, framework: str, device: int) -> Any:
     """A new, uninitialised tensor for `desc` in the framework of `like` (CuPy for non-torch buffers)."""
     if framework == "torch":
-        torch = sys.modules["torch"]
-        return torch.empty_strided(desc.shape, desc.strides, dtype=getattr(torch, desc.dtype), device=like.device)
+        return torch_allocator(desc, like.device)()
     import cupy
 
     dtype = _cupy_dtype(desc.dtype)
@@ -55,6 +57,13 @@ def allocate_like(desc, *, like: Any, framework: str, device: int) -> Any:
     with cupy.cuda.Device(device):
         memory = cupy.cuda.alloc(span * itemsize)
     return cupy.ndarray(desc.shape, dtype=dtype, memptr=memory, strides=tuple(s * itemsize for s in desc.strides))
+
+
+def torch_allocator(desc, device: Any) -> Callable[[], Any]:
+    """A no-argument call returning a new uninitialised torch tensor for `desc` on `device`."""
+    torch = sys.modules["torch"]
+    return functools.partial(torch.empty_strided, desc.shape, desc.strides, dtype=getattr(torch, desc.dtype),
+                             device=device)
 
 
 def _cupy_dtype(name: str):
@@ -70,6 +79,53 @@ def _cupy_dtype(name: str):
         raise BufferMismatchError("output", "dtype", "an output buffer passed in (CuPy needs ml_dtypes to "
                                   "allocate bfloat16)", name) from None
     return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def capture_probe(framework: str, stream: Any) -> Callable[[int], bool]:
+    """A cheap `probe(stream_ptr) -> bool`: is that stream being captured into a CUDA graph now?
+
+    torch answers for its current stream in 0.7 us, CuPy for any stream in less; the driver through
+    ctypes costs 2 us. `stream` is what the caller passed (None: the framework's current stream).
+    """
+    if framework == "torch" and stream is None:
+        probe = _PROBES.get("torch")
+        if probe is None:
+            probe = _PROBES["torch"] = _torch_probe()
+        return probe
+    probe = _PROBES.get("any")
+    if probe is None:
+        probe = _PROBES["any"] = _any_stream_probe()
+    return probe
+
+
+_PROBES: dict[str, Callable[[int], bool]] = {}
+
+
+def _torch_probe() -> Callable[[int], bool]:
+    torch_c = sys.modules["torch"]._C
+    current, raw, get_device = torch_c._cuda_isCurrentStreamCapturing, torch_c._cuda_getCurrentRawStream, \
+        torch_c._cuda_getDevice
+    fallback = _any_stream_probe()
+
+    def probe(stream_ptr: int) -> bool:
+        # torch's answer is about the current device's current stream: use it only for that stream.
+        return current() if raw(get_device()) == stream_ptr else fallback(stream_ptr)
+
+    return probe
+
+
+def _any_stream_probe() -> Callable[[int], bool]:
+    runtime = sys.modules.get("cupy_backends.cuda.api.runtime")
+    if runtime is None:
+        return driver.is_capturing
+
+    def probe(stream_ptr: int) -> bool:
+        try:
+            return bool(runtime.streamIsCapturing(stream_ptr))
+        except Exception:  # e.g. the legacy stream while another stream captures globally: assume yes
+            return True
+
+    return probe
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import functools
+import ctypes
 import logging
 import math
-import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import BufferMismatchError
+from ..errors import BufferMismatchError, GraphCaptureError
 from ..execute import buffers as _buffers
-from ..execute.streams import allocate, stream_pointer
-from ..graph import ROLE_UIDS, frontend
+from ..execute.streams import allocate, capture_probe, stream_pointer
+from ..graph import ROLE_UIDS
 from ..spec.dtypes import ITEMSIZE
+from .launcher import Launcher
 
 if TYPE_CHECKING:
     from ..execute.capture import CapturedPlan
@@ -62,18 +62,43 @@ class PlannedPart:
         return None if notes is None else "NONDETERMINISTIC" not in notes
 
     def prepare(self, ptrs: dict[str, int]) -> dict[int, int]:
+        """The variant pack {uid: pointer} of this part, scalars included."""
         pack = {ROLE_UIDS[role]: ptrs[role] for role in self.roles}
         pack.update({uid: arr.ctypes.data for uid, arr in self.scalars.items()})
         return pack
 
-    def executor(self, pack: dict[int, int], workspace_ptr: int, stream_ptr: int, handle: Any) -> Callable[[], None]:
-        """A no-argument call that runs this part; the backend's own entry point where there is one."""
+    def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
+               handle: Any) -> Callable[[Sequence[int]], None]:
+        """`run(ptrs)` executing this part, where `ptrs[slots[role]]` is a role's pointer in this call
+        and `fixed` holds the rest (scratch). The handle's stream is the caller's to set."""
+        roles = {role: (slots[role] if role in slots else None) for role in self.roles}
+        missing = [role for role, slot in roles.items() if slot is None and role not in fixed]
+        if missing:
+            raise ValueError(f"no pointer for roles {missing} of {self.name}")
+        template = self.prepare({role: fixed.get(role, 0) for role in self.roles})
+        patch = [(ROLE_UIDS[role], slot) for role, slot in roles.items() if slot is not None]
         fast = _backend_entry(self.graph, self.index, handle)
         if fast is not None:
             execute, cpp_index, backend_handle = fast
-            raw = _raw_pointer_call(self.graph, pack, workspace_ptr, cpp_index, backend_handle)
-            return raw or functools.partial(execute, pack, workspace_ptr, cpp_index, backend_handle)
-        return functools.partial(self.graph.execute_plan_at_index, pack, workspace_ptr, self.index, handle=handle)
+            raw = _raw_pointer_runner(self.graph, template, patch, workspace_ptr, cpp_index, backend_handle)
+            if raw is not None:
+                return raw
+
+            def call(pack: dict[int, int]) -> None:
+                execute(pack, workspace_ptr, cpp_index, backend_handle)
+        else:
+            graph, index = self.graph, self.index
+
+            def call(pack: dict[int, int]) -> None:
+                graph.execute_plan_at_index(pack, workspace_ptr, index, handle=handle)
+
+        def run(ptrs: Sequence[int]) -> None:
+            pack = dict(template)
+            for uid, slot in patch:
+                pack[uid] = ptrs[slot]
+            call(pack)
+
+        return run
 
 
 def _backend_entry(graph: Any, index: int, handle: Any) -> tuple | None:
@@ -98,12 +123,10 @@ def _backend_entry(graph: Any, index: int, handle: Any) -> tuple | None:
     return (execute, cfg.cpp_index, to_backend_handle(handle)) if cfg.cpp_index is not None else None
 
 
-def _raw_pointer_call(graph: Any, pack: dict[int, int], workspace_ptr: int, cpp_index: int,
-                      backend_handle: Any) -> Callable[[], None] | None:
-    """The backend's sorted-pointer entry (FE >= 1.28): no dict to convert or map to copy per call.
-
-    It takes the operands' addresses as one array, in the ascending-uid order the backend reports.
-    """
+def _raw_pointer_runner(graph: Any, template: dict[int, int], patch: list[tuple[int, int]], workspace_ptr: int,
+                        cpp_index: int, backend_handle: Any) -> Callable[[Sequence[int]], None] | None:
+    """The backend's sorted-pointer entry (FE >= 1.28): one pointer array patched in place per call,
+    no dict to convert or map to copy. The array is in the ascending-uid order the backend reports."""
     try:
         lowered = graph._lowered_graph
         lowered._prepare_variant_pack_template()
@@ -111,15 +134,19 @@ def _raw_pointer_call(graph: Any, pack: dict[int, int], workspace_ptr: int, cpp_
         execute = lowered._execute_with_raw_ptrs
     except Exception:  # an older frontend, or a graph without a template: the dict entry serves
         return None
-    if not order or any(uid not in pack for uid in order):
+    if not order or any(uid not in template for uid in order):
         return None
-    ptrs = np.array([pack[uid] for uid in order], dtype=np.uint64)
-    args = (ptrs.ctypes.data, len(order), workspace_ptr, backend_handle or 0, cpp_index)
+    ptrs = (ctypes.c_uint64 * len(order))(*(template[uid] for uid in order))
+    position = {uid: i for i, uid in enumerate(order)}
+    moves = tuple((position[uid], slot) for uid, slot in patch if uid in position)
+    args = (ctypes.addressof(ptrs), len(order), workspace_ptr, backend_handle or 0, cpp_index)
 
-    def call(ptrs: np.ndarray = ptrs) -> None:  # the default argument keeps the array alive
+    def run(values: Sequence[int], ptrs=ptrs) -> None:  # the default argument keeps the array alive
+        for i, slot in moves:
+            ptrs[i] = values[slot]
         execute(*args)
 
-    return call
+    return run
 
 
 @dataclass
@@ -137,7 +164,8 @@ class Plan:
     build_ms: float = 0.0
     chosen_by: str = "heuristics"  # or "autotune": timed against every candidate
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
-    _bound: dict = field(default_factory=dict, repr=False)  # recent execute() bindings, by what was checked
+    _checked: dict = field(default_factory=dict, repr=False)  # execute()'s memo: what was checked -> Launcher
+    _launchers: dict = field(default_factory=dict, repr=False)  # (roles, framework) -> Launcher
 
     def __post_init__(self) -> None:
         self._descs = self.spec.tensors()
@@ -172,22 +200,39 @@ class Plan:
     def execute(self, *, workspace: Any = None, stream: Any = None, **buffers: Any) -> None:
         """Run on `stream` (default: the buffers' framework's current stream); checks every buffer first.
 
-        Buffers are described on every call; a call that matches a recent one (same pointers, shapes,
-        strides, dtypes, stream) reuses its prepared launch instead of rebuilding it.
+        Each buffer is read once per call; what the checks depend on (shapes, strides, dtypes,
+        devices, 16-byte alignment) keys a memo of checked launchers, so a repeated geometry costs
+        a dict lookup, and a repeated set of pointers a CUDA-graph replay (see `Launcher`).
         """
-        framework, stream_ptr, infos = self._describe(buffers, stream)
-        key = None
-        if workspace is None and all(i.owner is None for i in infos.values()):
-            key = (threading.get_ident(), stream_ptr, tuple(infos.items()))  # handles are per thread
-            bound = self._bound.get(key)
-            if bound is not None:
-                return bound.launch()
-        bound = self._bind_described(buffers, infos, framework, stream_ptr, workspace)
-        if key is not None:
-            if len(self._bound) >= _BOUND_CACHE_SIZE:
-                self._bound.clear()  # buffers that keep changing: a small cache, not a leak
-            self._bound[key] = bound
-        bound.launch()
+        if workspace is not None:
+            return self.bind(workspace=workspace, stream=stream, cuda_graph=False, **buffers).launch()
+        roles = tuple(role for role, b in buffers.items() if b is not None)
+        objs = [buffers[role] for role in roles]
+        framework = _buffers.framework_of(objs[0]) if objs else "pointer"
+        stream_ptr = stream_pointer(stream, framework, self.device)
+        key, ptrs, owners = _buffers.read_all(roles, objs, stream_ptr)
+        key = (roles, key)
+        launcher = self._checked.get(key)
+        if launcher is None:
+            launcher = self._checked_launcher(key, buffers, roles, stream_ptr)
+        launcher.launch(ptrs, stream_ptr, capture_probe(framework, stream))
+        del owners  # DLPack exports stay alive until the work is queued
+
+    def _checked_launcher(self, key: tuple, buffers: dict, roles: tuple, stream_ptr: int) -> Launcher:
+        framework, _, infos = self._describe(buffers, stream_ptr)
+        self._check(buffers, infos)
+        launcher = self.launcher(roles, framework)
+        if len(self._checked) >= _CHECKED_CACHE_SIZE:
+            self._checked.clear()  # geometries that keep changing: a small memo, not a leak
+        self._checked[key] = launcher
+        return launcher
+
+    def launcher(self, roles: tuple[str, ...], framework: str) -> Launcher:
+        """The launcher taking pointers in `roles` order; scratch from `framework`'s allocator."""
+        launcher = self._launchers.get((roles, framework))
+        if launcher is None:
+            launcher = self._launchers.setdefault((roles, framework), Launcher(self, roles, framework))
+        return launcher
 
     def bind(self, *, workspace: Any = None, stream: Any = None, cuda_graph: bool | str = "auto",
              **buffers: Any) -> "BoundPlan":
@@ -201,25 +246,21 @@ class Plan:
         if cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or 'auto'")
         framework, stream_ptr, infos = self._describe(buffers, stream)
-        bound = self._bind_described(buffers, infos, framework, stream_ptr, workspace)
-        bound.cuda_graph = cuda_graph
-        return bound
+        self._check(buffers, infos)
+        roles = tuple(infos)
+        if workspace is None:
+            launcher = self.launcher(roles, framework)
+        else:
+            launcher = Launcher(self, roles, framework, workspace_ptr=self._given_workspace(workspace))
+        owners = [i.owner for i in infos.values() if i.owner is not None]
+        return BoundPlan(self, launcher, tuple(i.ptr for i in infos.values()), stream_ptr, owners,
+                         cuda_graph=cuda_graph, capturing=capture_probe("pointer", stream_ptr))
 
     def _describe(self, buffers: dict[str, Any], stream: Any) -> tuple[str, int, dict]:
         framework = _framework(buffers.values())
         stream_ptr = stream_pointer(stream, framework, self.device)
         infos = {role: _buffers.describe(b, role, stream=stream_ptr) for role, b in buffers.items() if b is not None}
         return framework, stream_ptr, infos
-
-    def _bind_described(self, buffers, infos, framework: str, stream_ptr: int, workspace: Any) -> "BoundPlan":
-        self._check(buffers, infos)
-        owners, scratch = self._scratch_for(stream_ptr, framework)
-        ws_ptr = scratch["workspace"] if workspace is None else self._given_workspace(workspace)
-        ptrs = {role: info.ptr for role, info in infos.items()}
-        ptrs.update({role: scratch[role] for role in self.intermediates})
-        packs = [part.prepare(ptrs) for part in self.parts]
-        keep = owners + [i.owner for i in infos.values() if i.owner is not None]
-        return BoundPlan(self, packs, ws_ptr, self.handles.current(), stream_ptr, keep)
 
     def _check(self, buffers: dict[str, Any], infos: dict[str, _buffers.BufferInfo]) -> None:
         expected = self._descs
@@ -252,41 +293,28 @@ class BoundPlan:
     """A plan with its buffers checked and its calls prepared: `launch()` is the hot path."""
 
     plan: Plan
-    packs: list = field(repr=False)
-    workspace_ptr: int
-    handle: Any = field(repr=False)
+    launcher: Launcher = field(repr=False)
+    ptrs: tuple = field(repr=False)
     stream_ptr: int = 0
-    owners: list = field(default_factory=list, repr=False)  # workspace, intermediates, DLPack exports
+    owners: list = field(default_factory=list, repr=False)  # DLPack exports
 
     cuda_graph: bool | str = False  # see Plan.bind
+    capturing: Callable[[int], bool] = field(default=None, repr=False)
     _launches: int = field(default=0, repr=False)
     _replay: Any = field(default=None, repr=False)  # the captured graph's replay, once there is one
 
-    def __post_init__(self) -> None:
-        self.calls = self.calls_on(self.stream_ptr)
-        self._set_stream = frontend.cudnn().set_stream
-
-    def calls_on(self, stream_ptr: int) -> list:
-        """One prepared call per part, launching on `stream_ptr`."""
-        return [part.executor(pack, self.workspace_ptr, stream_ptr, self.handle)
-                for part, pack in zip(self.plan.parts, self.packs)]
-
     def launch(self) -> None:
         replay = self._replay
-        if replay is not None and not _capturing(self.stream_ptr):
+        if replay is not None and not self.capturing(self.stream_ptr):
             return replay()
-        self._set_stream(self.handle, self.stream_ptr)  # FE >= 1.28 skips it when unchanged
-        for call in self.calls:
-            call()
+        self.launcher.run(self.ptrs, self.stream_ptr)
         if self.cuda_graph and replay is None:
             self._launches += 1
             if self._launches >= (1 if self.cuda_graph is True else 2):
                 self._auto_capture()
 
     def _auto_capture(self) -> None:
-        from ..errors import GraphCaptureError
-
-        if _capturing(self.stream_ptr):  # inside the caller's own capture: their graph records our calls
+        if self.capturing(self.stream_ptr):  # inside the caller's own capture: their graph records our calls
             return
         try:
             self._replay = self._capture().replay
@@ -297,9 +325,9 @@ class BoundPlan:
             self.cuda_graph = False
 
     def _capture(self) -> "CapturedPlan":
-        from ..execute.capture import capture
+        from ..execute.capture import CapturedPlan
 
-        return capture(self)
+        return CapturedPlan(self, self.launcher.capture(self.ptrs, self.stream_ptr), self.stream_ptr)
 
     def capture(self) -> "CapturedPlan":
         """Record one launch into a CUDA graph (stream capture); `replay()` re-runs it on this stream.
@@ -307,23 +335,8 @@ class BoundPlan:
         Runs the plan once first, so every kernel is loaded before capture. Raises GraphCaptureError
         when some engine cannot be captured (the plan still runs through `launch()`).
         """
-        self.launch()
+        self.launcher.run(self.ptrs, self.stream_ptr)
         return self._capture()
-
-
-def _capturing(stream_ptr: int) -> bool:
-    """Whether `stream_ptr` is being captured into a CUDA graph now (when unsure: yes)."""
-    try:
-        return bool(_stream_is_capturing(stream_ptr))
-    except Exception:  # e.g. the legacy stream while another stream captures globally
-        return True
-
-
-def _stream_is_capturing(stream_ptr: int) -> bool:
-    from cupy_backends.cuda.api.runtime import streamIsCapturing
-
-    globals()["_stream_is_capturing"] = streamIsCapturing  # bind once: this is on the launch path
-    return streamIsCapturing(stream_ptr)
 
 
 def _describe_part(part) -> dict[str, Any]:
@@ -334,7 +347,7 @@ def _describe_part(part) -> dict[str, Any]:
             "tuning": getattr(part, "tuning", None)}
 
 
-_BOUND_CACHE_SIZE = 16
+_CHECKED_CACHE_SIZE = 64
 
 
 def _framework(buffers) -> str:

@@ -7,19 +7,23 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import config
 from ..cache import keep_stored, load_plan, open_store, plan_to_record, rank
 from ..environment import environment
-from ..errors import BufferMismatchError, UnsupportedGraphError
+from ..execute import driver
+from ..errors import UnsupportedGraphError
 from ..graph import build_graph, frontend
 from ..signature import signature
 from ..spec import dtypes
 from . import autotune, notes
 from .plan import UNPROBED, Plan, PlannedPart
+
+if TYPE_CHECKING:
+    from .prefetch import Prefetch
 
 log = logging.getLogger("cudnn_graphs")
 
@@ -40,10 +44,19 @@ class HandlePool:
     def current(self) -> Any:
         handle = getattr(self._local, "handle", None)
         if handle is None:
-            import cupy
-
-            with cupy.cuda.Device(self.device):  # a handle belongs to the device current at creation
+            with driver.device(self.device):  # a handle belongs to the device current at creation
                 handle = self._local.handle = frontend.cudnn().create_handle()
+            self._local.stream = None
+        return handle
+
+    def on_stream(self, stream_ptr: int) -> Any:
+        """This thread's handle, set to `stream_ptr` unless it already is (older frontends charge
+        ~2.5 us for a set_stream even when nothing changes)."""
+        local = self._local
+        handle = getattr(local, "handle", None) or self.current()
+        if local.stream != stream_ptr:
+            frontend.cudnn().set_stream(handle, stream_ptr)
+            local.stream = stream_ptr
         return handle
 
 
@@ -85,6 +98,7 @@ class Session:
         self._memory_size = config.memory_cache_size()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
+        self._calls: dict = {}  # requests' memo: buffer geometry + params -> prepared call (requests.py)
 
     @property
     def handle(self) -> Any:
@@ -131,29 +145,65 @@ class Session:
         while len(self._memory) > self._memory_size:
             self._memory.popitem(last=False)
 
+    def prefetch(self, specs: Any, *, background: bool = True) -> "Prefetch":
+        """Load into memory every plan the on-disk cache holds for `specs` (a spec file's path, as
+        `cudnn-graphs warmup` reads, or an iterable of specs) ahead of the first calls; builds nothing.
+
+        With `background=True` (default) it runs on its own thread and returns at once: start it early
+        (before building the model, say) and the first step finds its plans in memory. `wait()` on
+        the result returns counts of loaded / in_memory / missing / failed.
+        """
+        from .prefetch import Prefetch, specs_of
+
+        return Prefetch(self, specs_of(specs), background=background)
+
+    def _prefetch_one(self, spec) -> str:
+        if spec in self._memory:
+            return "in_memory"
+        with self._lock:
+            if spec in self._memory:
+                return "in_memory"
+            key = self.signature(spec)
+            if self.store is None or not self.store.path_of(key).exists():
+                return "missing"
+            with driver.device(self.device):  # a background thread starts with no current device
+                plan = self._load_stored(spec, key)
+            if plan is None:
+                return "missing"
+            self._remember(spec, plan)
+        return "loaded"
+
     def _load_or_build(self, spec, buffers: dict | None) -> Plan:
         from .. import recording
 
         recording.note(spec)
         key = self.signature(spec)
-        record = self.store.get(key) if self.store is not None else None
-        if record is not None and self.policy == "autotune" and rank(record.meta) == 0:
-            record = None  # a heuristic choice: tune it now and upgrade the record
-        if record is not None:
-            start = time.perf_counter()
-            outcome = load_plan(record, spec=spec, session=self)
-            self._counts["load_ms"] += (time.perf_counter() - start) * 1e3
-            if outcome is not None:
-                self._counts["disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs"] += 1
-                if outcome.rewrite:
-                    self._store(outcome.plan)
-                return outcome.plan
-            self._counts["rebuilds_from_heuristics"] += 1
+        plan = self._load_stored(spec, key)
+        if plan is not None:
+            return plan
         plan = self._build(spec, key, buffers)
         self._counts["autotuned" if plan.chosen_by == "autotune" else "builds"] += 1
         self._counts["build_ms"] += plan.build_ms
         self._store(plan)
         return plan
+
+    def _load_stored(self, spec, key: str) -> Plan | None:
+        """The plan stored under `key`, or None when there is none this session may use."""
+        record = self.store.get(key) if self.store is not None else None
+        if record is not None and self.policy == "autotune" and rank(record.meta) == 0:
+            return None  # a heuristic choice: tune it now and upgrade the record
+        if record is None:
+            return None
+        start = time.perf_counter()
+        outcome = load_plan(record, spec=spec, session=self)
+        self._counts["load_ms"] += (time.perf_counter() - start) * 1e3
+        if outcome is None:
+            self._counts["rebuilds_from_heuristics"] += 1
+            return None
+        self._counts["disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs"] += 1
+        if outcome.rewrite:
+            self._store(outcome.plan)
+        return outcome.plan
 
     def _store(self, plan: Plan) -> None:
         if self.store is None:
@@ -180,24 +230,15 @@ class Session:
     def run(self, request, *, stream: Any = None) -> Any:
         """Infer the spec from the request's buffers, plan it, allocate missing outputs, execute.
 
-        Returns the output (y, dx or dw), or (dw, db) when a bias gradient is asked for.
+        Returns the output (y, dx or dw), or (dw, db) when a bias gradient is asked for. A geometry
+        seen before skips straight to allocation and launch (see `requests.run_buffers`).
         """
-        if request.device != self.device:
-            raise BufferMismatchError(request.primary, "device", self.device, request.device)
-        spec = request.spec()
-        outputs = request.outputs(spec)
-        buffers = {role: b for role, b in request.buffers.items() if b is not None}
-        buffers.update(outputs)
-        plan = self.plan(spec, buffers=buffers if self.autotune_inputs == "request" else None)
-        plan.execute(stream=stream, **buffers)
-        return request.result(outputs)
+        return request._run(self, stream)
 
     def _build(self, spec, key: str, buffers: dict | None = None) -> Plan:
-        import cupy
-
         start = time.perf_counter()
         failures = []
-        with cupy.cuda.Device(self.device):
+        with driver.device(self.device):
             for fused in ((True, False) if spec.has_epilogue and self.fuse else (not spec.has_epilogue,)):
                 try:
                     build, parts = self._plan_build(spec, fused, buffers)
@@ -244,9 +285,7 @@ class Session:
 
     def _rebuild_from_knobs(self, spec, meta: dict, i: int, entry: dict) -> tuple[Any, int]:
         """Part `i` rebuilt with exactly the stored engine and knobs: no heuristics query."""
-        import cupy
-
-        with cupy.cuda.Device(self.device):
+        with driver.device(self.device):
             build = build_graph(spec, fused=bool(meta["fused"]), handle=self.handle, acc_dtype=meta.get("acc_dtype"))
             g = build.parts[i].graph
             g.build_operation_graph()
@@ -336,10 +375,11 @@ class Session:
             trial = PlannedPart(name=part.name, graph=g, roles=part.roles, index=index, engine="", engine_id=0,
                                 knobs={}, behavior_notes=(), workspace_size=0,
                                 scalars=_scalar_arrays(build.spec, part.scalars))
-            call = trial.executor(trial.prepare(ptrs), ws_ptr, stream_ptr, handle)
-            return functools.partial(_run_keeping, call, trial.scalars)
+            slots = {role: i for i, role in enumerate(ptrs)}
+            run = trial.runner(slots, {}, ws_ptr, stream_ptr, handle)
+            return functools.partial(_run_keeping, run, tuple(ptrs.values()), trial.scalars)
 
-        frontend.cudnn().set_stream(handle, stream_ptr)
+        self.handles.on_stream(stream_ptr)
         tuned = autotune.tune_part(g, buffers=make_buffers, make_call=make_call, limit=self.autotune_limit,
                                    stream_ptr=stream_ptr)
         self._counts["timings"] += sum(r.median_ms is not None for r in tuned.table)
@@ -365,6 +405,19 @@ class Session:
             g.deselect_workspace_greater_than(self.max_workspace_bytes)
 
 
+_sessions: dict[int, Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def default_session(device: int = 0) -> Session:
+    """The shared session for `device` (default settings), created on first use."""
+    session = _sessions.get(device)
+    if session is None:
+        with _sessions_lock:
+            session = _sessions.get(device) or _sessions.setdefault(device, Session(device=device))
+    return session
+
+
 def _build_first(g) -> int:
     """Build plans in heuristic order; the first that builds wins (deselected ones are skipped)."""
     errors = []
@@ -388,8 +441,8 @@ def _pointer(buffer: Any) -> int:
     return describe(buffer, "autotune").ptr
 
 
-def _run_keeping(call, scalars) -> None:  # `scalars` rides along: cuDNN reads them through host pointers
-    call()
+def _run_keeping(run, ptrs, scalars) -> None:  # `scalars` rides along: cuDNN reads them through host pointers
+    run(ptrs)
 
 
 def _tuning_meta(tuned, inputs: str) -> dict:

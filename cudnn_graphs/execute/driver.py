@@ -1,0 +1,168 @@
+"""The few CUDA driver calls the launch path needs, through ctypes on libcuda.
+
+Why not CuPy or torch: a torch user's process should not import CuPy (90-140 ms) to run a conv, and
+code that serves CuPy, torch and DLPack buffers alike cannot lean on either framework. Streams and
+graphs of the driver API are the runtime's own (`CUstream` is `cudaStream_t`), so these calls mix
+freely with the frameworks' streams. Each call costs a ctypes round trip (~0.2-0.5 us).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+from ..errors import CudaDriverError
+
+# cuda.h values (stable since CUDA 10).
+CAPTURE_STATUS_NONE = 0
+CAPTURE_MODE_RELAXED = 2  # our captures must not make other threads' cudaMalloc fail (global mode would)
+STREAM_NON_BLOCKING = 1
+EVENT_DISABLE_TIMING = 2
+
+_u64 = ctypes.c_uint64
+_ptr = ctypes.c_void_p
+
+
+@functools.lru_cache(maxsize=1)
+def lib() -> Any:
+    """libcuda with the signatures used here, initialised; CudaDriverError when there is none."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise CudaDriverError("cuInit", -1, f"no CUDA driver (libcuda.so.1 not loadable: {err})") from None
+    signatures = {
+        "cuInit": [ctypes.c_uint],
+        "cuStreamIsCapturing": [_ptr, ctypes.POINTER(ctypes.c_int)],
+        "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
+        "cuStreamEndCapture": [_ptr, ctypes.POINTER(_ptr)],
+        "cuGraphInstantiateWithFlags": [ctypes.POINTER(_ptr), _ptr, ctypes.c_ulonglong],
+        "cuGraphLaunch": [_ptr, _ptr],
+        "cuGraphDestroy": [_ptr],
+        "cuGraphExecDestroy": [_ptr],
+        "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
+        "cuEventCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
+        "cuEventRecord": [_ptr, _ptr],
+        "cuStreamWaitEvent": [_ptr, _ptr, ctypes.c_uint],
+        "cuCtxGetCurrent": [ctypes.POINTER(_ptr)],
+        "cuCtxSetCurrent": [_ptr],
+        "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
+        "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_ptr), ctypes.c_int],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(cuda, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    _check(cuda.cuInit(0), "cuInit")
+    return cuda
+
+
+def _check(status: int, call: str) -> None:
+    if status:
+        raise CudaDriverError(call, status)
+
+
+def is_capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a CUDA graph now (when the driver cannot say: yes)."""
+    status = ctypes.c_int(0)
+    # Querying the legacy stream while another stream captures in global mode is itself an error.
+    return _IS_CAPTURING(stream, ctypes.byref(status)) != 0 or status.value != CAPTURE_STATUS_NONE
+
+
+def _is_capturing_fn(stream, status_ref) -> int:
+    globals()["_IS_CAPTURING"] = fn = lib().cuStreamIsCapturing  # bound once: this is on every launch
+    return fn(stream, status_ref)
+
+
+_IS_CAPTURING = _is_capturing_fn
+
+
+def new_stream() -> int:
+    """A non-blocking stream (the legacy default stream cannot be captured); lives for the process."""
+    stream = _ptr()
+    _check(lib().cuStreamCreate(ctypes.byref(stream), STREAM_NON_BLOCKING), "cuStreamCreate")
+    return stream.value
+
+
+def new_event() -> int:
+    event = _ptr()
+    _check(lib().cuEventCreate(ctypes.byref(event), EVENT_DISABLE_TIMING), "cuEventCreate")
+    return event.value
+
+
+def stream_wait(stream: int, *, after: int, event: int) -> None:
+    """Make `stream` wait for the work queued on `after` so far (through `event`)."""
+    _check(lib().cuEventRecord(event, after), "cuEventRecord")
+    _check(lib().cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+
+
+def begin_capture(stream: int) -> None:
+    _check(lib().cuStreamBeginCapture_v2(stream, CAPTURE_MODE_RELAXED), "cuStreamBeginCapture")
+
+
+def end_capture(stream: int) -> int:
+    """The captured graph (not yet instantiated); raises when the capture was invalidated."""
+    graph = _ptr()
+    _check(lib().cuStreamEndCapture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
+    return graph.value
+
+
+class GraphExec:
+    """An instantiated CUDA graph; `launch(stream)` replays it. Freed with this object."""
+
+    __slots__ = ("handle", "_launch", "__weakref__")
+
+    def __init__(self, graph: int):
+        cuda = lib()
+        exec_ = _ptr()
+        try:
+            _check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
+        finally:
+            cuda.cuGraphDestroy(graph)  # the executable keeps what it needs
+        self.handle = exec_.value
+        self._launch = cuda.cuGraphLaunch
+
+    def launch(self, stream: int) -> None:
+        status = self._launch(self.handle, stream)
+        if status:
+            raise CudaDriverError("cuGraphLaunch", status)
+
+    def __del__(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle:
+            try:
+                lib().cuGraphExecDestroy(handle)
+            except Exception:  # interpreter shutdown: the driver frees it with the context
+                pass
+
+
+class device:
+    """Context manager: make `ordinal`'s primary context current on this thread (what the runtime,
+    cuDNN, torch and CuPy call the current device), then restore the previous one."""
+
+    __slots__ = ("ordinal", "_saved")
+
+    def __init__(self, ordinal: int):
+        self.ordinal = ordinal
+
+    def __enter__(self) -> "device":
+        cuda = lib()
+        saved = _ptr()
+        _check(cuda.cuCtxGetCurrent(ctypes.byref(saved)), "cuCtxGetCurrent")
+        self._saved = saved.value
+        _check(cuda.cuCtxSetCurrent(_primary_context(self.ordinal)), "cuCtxSetCurrent")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            lib().cuCtxSetCurrent(self._saved)
+
+
+@functools.lru_cache(maxsize=None)
+def _primary_context(ordinal: int) -> int:
+    cuda = lib()
+    dev, ctx = ctypes.c_int(0), _ptr()
+    _check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    # Retained for the life of the process, as the runtime (and so torch and CuPy) retains it too.
+    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    return ctx.value

@@ -1,0 +1,154 @@
+"""A plan prepared for repeated calls whose pointers change: the hot path under every entry point.
+
+`Launcher.launch(ptrs, stream)` patches this call's pointers into arrays built once per (thread,
+stream) and runs each part through the backend's own entry; nothing is described or checked (the
+caller's memo key already proved the buffers match). A pointer tuple seen twice on a stream is
+recorded once into a CUDA graph and replayed from then on (one graph launch instead of a cuDNN
+execute per part), except while the stream is being captured by someone else: their graph then
+records the parts themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+from ..errors import CudaDriverError, GraphCaptureError
+from ..execute import driver
+
+log = logging.getLogger("cudnn_graphs")
+
+GRAPHS_PER_LAUNCHER = 8  # pointer sets kept as graphs; a training loop cycles through one or two
+_SEEN_LIMIT = 64
+# Graphs evicted unused before capture stops for a launcher: pointers that never repeat gain nothing.
+_WASTED_LIMIT = 2 * GRAPHS_PER_LAUNCHER
+
+
+class _Prepared:
+    """The parts of one plan ready to run on one stream from one thread (its cuDNN handle)."""
+
+    __slots__ = ("runs", "stream", "handles")
+
+    def __init__(self, plan, slots: dict[str, int], framework: str, stream: int, *, scratch_of: int | None = None,
+                 workspace_ptr: int | None = None):
+        # A capture runs on a side stream but must use the scratch of the stream its graph replays on.
+        _, scratch = plan._scratch_for(stream if scratch_of is None else scratch_of, framework)
+        workspace_ptr = scratch["workspace"] if workspace_ptr is None else workspace_ptr
+        self.handles, self.stream = plan.handles, stream
+        handle = plan.handles.current()
+        self.runs = [part.runner(slots, scratch, workspace_ptr, stream, handle) for part in plan.parts]
+
+    def __call__(self, ptrs: Sequence[int]) -> None:
+        self.handles.on_stream(self.stream)
+        for run in self.runs:
+            run(ptrs)
+
+
+class Launcher:
+    """One plan, one order of pointer roles, one framework (whose allocator serves scratch)."""
+
+    def __init__(self, plan, roles: tuple[str, ...], framework: str, *, workspace_ptr: int | None = None):
+        self.plan, self.roles, self.framework = plan, roles, framework
+        self.workspace_ptr = workspace_ptr  # the caller's workspace (Plan.bind(workspace=)), else the plan's
+        self._slots = {role: i for i, role in enumerate(roles)}
+        self._prepared: dict[tuple[int, int], _Prepared] = {}
+        self._graphs: OrderedDict[tuple, driver.GraphExec] = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self._wasted = 0
+        self.capture_enabled = True
+        self._lock = threading.Lock()
+
+    def prepared(self, stream: int) -> _Prepared:
+        key = (threading.get_ident(), stream)
+        prep = self._prepared.get(key)
+        if prep is None:
+            with self._lock:
+                prep = self._prepared[key] = _Prepared(self.plan, self._slots, self.framework, stream,
+                                                       workspace_ptr=self.workspace_ptr)
+        return prep
+
+    def run(self, ptrs: Sequence[int], stream: int) -> None:
+        """Run every part directly on `stream`."""
+        self.prepared(stream)(ptrs)
+
+    def launch(self, ptrs: tuple[int, ...], stream: int, capturing: Callable[[int], bool]) -> None:
+        """Run on `stream`: a graph replay where these pointers were seen before, else directly."""
+        key = (threading.get_ident(), stream, ptrs)
+        graph = self._graphs.get(key)
+        if graph is not None and not capturing(stream):
+            graph.launch(stream)
+            return
+        if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream):
+            graph = self._graph_for(key, ptrs, stream)
+            if graph is not None:
+                graph.launch(stream)
+                return
+        self.prepared(stream)(ptrs)
+        if graph is None and self.capture_enabled:
+            if len(self._seen) >= _SEEN_LIMIT:
+                self._seen.clear()
+            self._seen[key] = 1
+
+    def _graph_for(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> driver.GraphExec | None:
+        try:
+            graph = self.capture(ptrs, stream)
+        except GraphCaptureError as err:
+            log.info("%s: calls stay direct (%s)", self.plan.spec.op, err)
+            self.capture_enabled = False
+            return None
+        self._seen.pop(key, None)
+        with self._lock:
+            self._graphs[key] = graph
+            while len(self._graphs) > GRAPHS_PER_LAUNCHER:
+                self._graphs.popitem(last=False)
+                self._wasted += 1
+        if self._wasted >= _WASTED_LIMIT:
+            log.info("%s: pointers rarely repeat; calls stay direct", self.plan.spec.op)
+            self.capture_enabled = False
+        return graph
+
+    def capture(self, ptrs: Sequence[int], stream: int) -> driver.GraphExec:
+        """Record one run with these pointers into a CUDA graph that replays on any stream.
+
+        Capture happens on a private side stream (the legacy default stream cannot be captured);
+        nothing runs while capturing, so no ordering with `stream` is needed.
+        """
+        side = _side_stream(self.plan.device)
+        prep = _Prepared(self.plan, self._slots, self.framework, side, scratch_of=stream,
+                         workspace_ptr=self.workspace_ptr)
+        error: BaseException | None = None
+        graph = None
+        driver.begin_capture(side)
+        try:
+            prep(ptrs)
+        except Exception as err:  # an engine refused to run under capture
+            error = err
+        finally:
+            try:
+                graph = driver.end_capture(side)
+            except CudaDriverError as err:  # an invalidated capture only reports here
+                error = error or err
+            self.plan.handles.on_stream(stream)
+        if error is not None or not graph:
+            raise GraphCaptureError(self.plan.spec, self.plan.engines, error)
+        try:
+            return driver.GraphExec(graph)
+        except CudaDriverError as err:
+            raise GraphCaptureError(self.plan.spec, self.plan.engines, err) from err
+
+
+_sides = threading.local()
+
+
+def _side_stream(device: int) -> int:
+    """This thread's capture stream on `device`: two threads never capture into one stream."""
+    streams = getattr(_sides, "streams", None)
+    if streams is None:
+        streams = _sides.streams = {}
+    stream = streams.get(device)
+    if stream is None:
+        with driver.device(device):
+            stream = streams[device] = driver.new_stream()
+    return stream

@@ -1,0 +1,177 @@
+"""GPU: the call path (functional helpers, requests, plan.execute, bound launches) in steady state:
+no device synchronisation, fresh data through every path (direct, captured, replayed), typed errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import cudnn_graphs as cg  # noqa: E402
+from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvFwdRequest  # noqa: E402
+
+from . import gpu_reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CL = torch.channels_last
+
+
+@pytest.fixture(scope="module")
+def session():
+    return cg.Session(allow_tf32=False)
+
+
+def _rand(*shape, dtype=torch.float16, memory_format=CL):
+    t = torch.randn(*shape, device="cuda", dtype=torch.float64).to(dtype)
+    return t.contiguous(memory_format=memory_format) if t.dim() == 4 else t
+
+
+def _entry_points(session):
+    """Every public conv entry point on one geometry, as no-argument calls (plans built first)."""
+    x, w, b = _rand(8, 32, 14, 14), _rand(32, 32, 3, 3) * 0.1, _rand(32)
+    dy, y = _rand(8, 32, 14, 14), torch.empty_like(x)
+    spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last", bias=True,
+                          activation="relu")
+    plan = session.plan(spec)
+    bound = plan.bind(x=x, w=w, bias=b, y=y)
+    return {
+        "conv_fwd": lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu", session=session),
+        "conv_fwd_out": lambda: cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu", session=session),
+        "conv_bwd_data": lambda: cg.conv_bwd_data(dy, w, x_shape=x.shape, padding=1, session=session),
+        "conv_bwd_data_relu": lambda: cg.conv_bwd_data(dy, w, pre_act=x, padding=1, activation_backward="relu",
+                                                       session=session),
+        "conv_bwd_filter": lambda: cg.conv_bwd_filter(x, dy, w_shape=w.shape, padding=1, session=session),
+        "conv_bwd_filter_bias": lambda: cg.conv_bwd_filter(x, dy, w_shape=w.shape, padding=1, bias_grad=True,
+                                                           session=session),
+        "session_run": lambda: session.run(ConvFwdRequest(x, w, bias=b, padding=1, activation="relu")),
+        "module_run": lambda: cg.run(ConvBwdDataRequest(dy, w, x_shape=x.shape, padding=1)),
+        "plan_execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
+        "bound_launch": bound.launch,
+    }
+
+
+def test_no_device_synchronisation_on_any_call_path(session):
+    calls = _entry_points(session)
+    for fn in calls.values():  # first sight plans; the second captures a graph: steady state after
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    n = 20
+    for name, fn in calls.items():
+        start = time.perf_counter()
+        torch.cuda._sleep(int(2e9))  # about a second of GPU time, queued ahead of every call
+        for _ in range(n):
+            fn()
+        host_s = time.perf_counter() - start
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert busy, f"{name}: the GPU drained while {n} calls were made: a call synchronised the device"
+        assert host_s < 0.25, f"{name}: {n} calls took {host_s:.3f} s of host time"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_repeated_functional_calls_compute_fresh_data(session, dtype):
+    """Direct on first sight, captured on the second, replayed after: each with new inputs and outputs."""
+    x, w, b = _rand(4, 16, 12, 12, dtype=dtype), _rand(24, 16, 3, 3, dtype=dtype), _rand(24, dtype=dtype)
+    y = torch.empty(4, 24, 6, 6, device="cuda", dtype=dtype).contiguous(memory_format=CL)
+    tol = ref.TOLERANCE[str(dtype).removeprefix("torch.")]
+    for i in range(5):
+        x.copy_(torch.randn_like(x, dtype=torch.float32))
+        y.fill_(float("nan"))
+        got = cg.conv_fwd(x, w, b, y=y if i % 2 else None, stride=2, padding=1, activation="silu", session=session)
+        want = F.silu(F.conv2d(x.double(), w.double(), b.double(), stride=2, padding=1))
+        assert got.shape == want.shape and got.is_contiguous(memory_format=CL)
+        assert ref.rel_err(got, want) < tol, i
+        dy = _rand(*want.shape, dtype=dtype)
+        dx = cg.conv_bwd_data(dy, w, x_shape=x.shape, stride=2, padding=1, session=session)
+        dw, db = cg.conv_bwd_filter(x, dy, w_shape=w.shape, stride=2, padding=1, bias_grad=True, session=session)
+        xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        F.conv2d(xd, wd, stride=2, padding=1).backward(dy.double())
+        assert ref.rel_err(dx, xd.grad) < tol and ref.rel_err(dw, wd.grad) < tol
+        assert ref.rel_err(db, dy.double().sum((0, 2, 3))) < tol
+
+
+def test_memo_tells_geometries_and_params_apart(session):
+    x, w = _rand(2, 8, 10, 10), _rand(8, 8, 3, 3)
+    for padding, stride, act in [(1, 1, "relu"), (0, 1, "relu"), (1, 2, "relu"), (1, 1, None), ((1, 1), 1, "relu")]:
+        got = cg.conv_fwd(x, w, padding=padding, stride=stride, activation=act, session=session)
+        want = F.conv2d(x.double(), w.double(), padding=padding, stride=stride)
+        want = F.relu(want) if act else want
+        assert ref.rel_err(got, want) < ref.TOLERANCE["float16"], (padding, stride, act)
+    x2 = _rand(2, 8, 10, 10, memory_format=torch.contiguous_format)  # same shape, other strides
+    got = cg.conv_fwd(x2, w, padding=1, session=session)
+    assert ref.rel_err(got, F.conv2d(x2.double(), w.double(), padding=1)) < ref.TOLERANCE["float16"]
+
+
+def test_typed_errors_survive_the_memo(session):
+    x, w = _rand(2, 8, 10, 10), _rand(8, 8, 3, 3)
+    cg.conv_fwd(x, w, padding=1, session=session)
+    with pytest.raises(cg.SpecError):
+        cg.conv_fwd(x, w, padding=1.0, session=session)  # equal to 1, but not an int
+    with pytest.raises(cg.SpecError):
+        cg.conv_fwd(x, w, padding=-1, session=session)
+    with pytest.raises(BufferMismatchError) as err:
+        cg.conv_fwd(x.float(), w, padding=1, session=session)
+    with pytest.raises(BufferMismatchError) as err:
+        cg.conv_fwd(x.cpu(), w.cpu(), padding=1)
+    assert err.value.what == "device"
+    flat = torch.empty(x.numel() + 1, device="cuda", dtype=torch.float16)
+    shifted = flat[1:].view(2, 10, 10, 8).permute(0, 3, 1, 2)  # channels_last, 2 bytes off alignment
+    with pytest.raises(BufferMismatchError) as err:
+        cg.conv_fwd(shifted, w, padding=1, session=session)
+    assert (err.value.role, err.value.what) == ("x", "alignment")
+
+
+def test_a_replayed_call_inside_the_callers_capture_records_its_kernels(session):
+    x, w, b = _rand(2, 16, 8, 8), _rand(16, 16, 3, 3), _rand(16)
+    y = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # the call path now holds a graph for these pointers
+            cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu", session=session)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu", session=session)
+        x.copy_(torch.randn_like(x))
+        y.fill_(float("nan"))
+        graph.replay()
+    side.synchronize()
+    want = F.relu(F.conv2d(x.double(), w.double(), b.double(), padding=1))
+    assert ref.rel_err(y, want) < ref.TOLERANCE["float16"]
+
+
+def test_explicit_stream_and_cupy_buffers(session):
+    cupy = pytest.importorskip("cupy")
+    x, w = _rand(2, 8, 9, 9, dtype=torch.float32), _rand(8, 8, 3, 3, dtype=torch.float32)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        y = cg.conv_fwd(x, w, padding=1, stream=stream, session=session)
+        yc = cg.conv_fwd(cupy.from_dlpack(x), cupy.from_dlpack(w), padding=1, session=session)
+    stream.synchronize()
+    cupy.cuda.get_current_stream().synchronize()
+    want = F.conv2d(x.double(), w.double(), padding=1)
+    assert ref.rel_err(y, want) < 1e-5 and ref.rel_err(torch.from_dlpack(yc), want) < 1e-5
+
+
+def test_prefetch_loads_stored_plans_on_a_background_thread(tmp_path):
+    specs = [cg.ConvFwdSpec((2, 16, 10, 10), (16, 16, 3, 3), padding=1, dtype="float16", layout="channels_last",
+                            bias=True, activation="gelu"),
+             cg.ConvBwdFilterSpec((2, 16, 10, 10), (2, 16, 10, 10), (16, 16, 3, 3), padding=1, dtype="float16",
+                                  layout="channels_last", bias_grad=True)]
+    writer = cg.Session(cache=tmp_path)
+    for spec in specs:
+        writer.plan(spec)
+    reader = cg.Session(cache=tmp_path)
+    counts = reader.prefetch(specs).wait(timeout=120)
+    assert counts == {"loaded": 2, "in_memory": 0, "missing": 0, "failed": 0}
+    x, w, b = _rand(2, 16, 10, 10), _rand(16, 16, 3, 3), _rand(16)
+    y = cg.conv_fwd(x, w, b, padding=1, activation="gelu", session=reader)  # runs on the main thread's handle
+    want = F.gelu(F.conv2d(x.double(), w.double(), b.double(), padding=1))
+    assert ref.rel_err(y, want) < ref.TOLERANCE["float16"]
+    stats = reader.counters()
+    assert (stats["disk_hits"], stats["builds"], stats["memory_hits"]) == (2, 0, 1)
