@@ -1,0 +1,315 @@
+"""Benchmark (GPU host): the cost of a call where users make it, side by side with torch in one run.
+
+    python3 tools/bench_calls.py --out results.json [--skip-warm]
+
+1. Every public conv entry point on 32x128x28x28, 3x3, fp16 channels_last, beside torch's equivalent:
+   host us per call (GPU held busy by a queued sleep, so the host never waits), single-call latency
+   from an idle GPU (events around one call), back-to-back device time (queue kept full). Ours and
+   torch's alternate round by round; medians.
+2. ResNet-50's 53 convs at batch 32, fp16 channels_last: forward (bias + relu) in order, then dgrad
+   and wgrad in reverse, through the functional API, against torch eager (cudnn.benchmark=True):
+   wall ms per step in steady state, alternating rounds.
+3. Warm start: fresh processes with torch imported and CUDA up, the plan cache warm and the driver's
+   JIT cache on, timed to the end of a first fwd (conv+bias+gelu), dgrad (relu') and wgrad (bias grad)
+   on 16x128x28x28; beside torch with benchmark=False and benchmark=True (its second process).
+Inputs are random (never zeros); outputs are checked against float64 torch once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+T_START = time.perf_counter()
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def host_us(fn, *, calls: int) -> float:
+    """Host us per call with the GPU held busy: the host never waits for the device."""
+    torch = _torch()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - start) / calls * 1e6
+    drained = torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return float("nan") if drained else elapsed  # a drained queue means a call waited: not a host figure
+
+
+def idle_latency_us(fn, *, reps: int = 30) -> float:
+    """Events around one call from an idle GPU: what a step sees when the host cannot run ahead."""
+    torch = _torch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(out)
+
+
+def device_us(fn, *, calls: int) -> float:
+    """Back-to-back device time per call, the queue filled ahead of the timed span."""
+    torch = _torch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def entry_points(*, rounds: int, calls: int) -> dict:
+    torch = _torch()
+    import torch.nn.functional as F
+
+    import cudnn_graphs as cg
+
+    torch.backends.cudnn.benchmark = True
+    cl = torch.channels_last
+    x = torch.randn(32, 128, 28, 28, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    w = (torch.randn(128, 128, 3, 3, device="cuda", dtype=torch.half) * 0.05).contiguous(memory_format=cl)
+    b, dy = torch.randn(128, device="cuda", dtype=torch.half), torch.randn_like(x)
+    y = torch.empty_like(x)
+    session = cg.default_session(0)
+    spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last", bias=True,
+                          activation="relu")
+    plan = session.plan(spec)
+    bound = plan.bind(x=x, w=w, bias=b, y=y)
+    conv_bwd = torch.ops.aten.convolution_backward
+    pairs = {
+        "conv_fwd": (lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu"),
+                     lambda: F.relu(F.conv2d(x, w, b, padding=1))),
+        "session.run(ConvFwdRequest)": (lambda: session.run(cg.ConvFwdRequest(x, w, bias=b, padding=1,
+                                                                              activation="relu")),
+                                        lambda: F.relu(F.conv2d(x, w, b, padding=1))),
+        "plan.execute": (lambda: plan.execute(x=x, w=w, bias=b, y=y),
+                         lambda: torch.relu_(torch.convolution(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))),
+        "bound.launch": (bound.launch, lambda: F.relu(F.conv2d(x, w, b, padding=1))),
+        "conv_bwd_data": (lambda: cg.conv_bwd_data(dy, w, x_shape=x.shape, padding=1),
+                          lambda: conv_bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                           [True, False, False])),
+        "conv_bwd_filter": (lambda: cg.conv_bwd_filter(x, dy, w_shape=w.shape, padding=1),
+                            lambda: conv_bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                             [False, True, False])),
+    }
+    rows = {}
+    for name, (ours, theirs) in pairs.items():
+        for fn in (ours, theirs):
+            for _ in range(5):
+                fn()
+        samples = {k: [] for k in ("host_ours", "host_torch", "idle_ours", "idle_torch", "dev_ours", "dev_torch")}
+        for _ in range(rounds):
+            samples["host_ours"].append(host_us(ours, calls=calls))
+            samples["host_torch"].append(host_us(theirs, calls=calls))
+            samples["idle_ours"].append(idle_latency_us(ours))
+            samples["idle_torch"].append(idle_latency_us(theirs))
+            samples["dev_ours"].append(device_us(ours, calls=calls))
+            samples["dev_torch"].append(device_us(theirs, calls=calls))
+        rows[name] = {k: statistics.median(v) for k, v in samples.items()}
+        r = rows[name]
+        print(f"{name:30s} host {r['host_ours']:7.2f} us (torch {r['host_torch']:6.2f})  idle "
+              f"{r['idle_ours']:7.1f} us (torch {r['idle_torch']:6.1f})  device {r['dev_ours']:7.1f} us "
+              f"(torch {r['dev_torch']:6.1f})", flush=True)
+    rows["_check"] = _check_fwd(x, w, b, dy)
+    rows["_launchers"] = [{"op": c.launcher.plan.spec.op, "engines": c.launcher.plan.engines,
+                           "capture_enabled": c.launcher.capture_enabled, "graphs": len(c.launcher._graphs)}
+                          for c in session._calls.values()]
+    print(rows["_launchers"])
+    return rows
+
+
+def _check_fwd(x, w, b, dy) -> dict:
+    torch = _torch()
+    import torch.nn.functional as F
+
+    import cudnn_graphs as cg
+
+    x.copy_(torch.randn_like(x))
+    got = cg.conv_fwd(x, w, b, padding=1, activation="relu")
+    dx = cg.conv_bwd_data(dy, w, x_shape=x.shape, padding=1)
+    dw = cg.conv_bwd_filter(x, dy, w_shape=w.shape, padding=1)
+    xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    out = F.conv2d(xd, wd, padding=1)
+    out.backward(dy.double())
+
+    def err(a, ref):
+        return float((a.double() - ref).norm() / ref.norm())
+
+    return {"y": err(got, F.relu(out.detach() + b.double().view(1, -1, 1, 1))), "dx": err(dx, xd.grad),
+            "dw": err(dw, wd.grad)}
+
+
+def resnet50_step(*, batch: int, rounds: int) -> dict:
+    torch = _torch()
+    import torch.nn.functional as F
+
+    import cudnn_graphs as cg
+    from cudnn_graphs.presets import resnet_layers
+
+    torch.backends.cudnn.benchmark = True
+    cl = torch.channels_last
+    layers = []
+    for layer in resnet_layers("resnet50"):
+        x = torch.randn(batch, layer.c, layer.hw, layer.hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+        w = (torch.randn(layer.k, layer.c, layer.r, layer.r, device="cuda", dtype=torch.half) * 0.05).contiguous(
+            memory_format=cl)
+        b = torch.randn(layer.k, device="cuda", dtype=torch.half)
+        out_hw = (layer.hw + 2 * (layer.r // 2) - layer.r) // layer.stride + 1
+        dy = torch.randn(batch, layer.k, out_hw, out_hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+        layers.append((x, w, b, dy, layer.stride, layer.r // 2))
+    conv_bwd = torch.ops.aten.convolution_backward
+
+    def ours():
+        keep = [cg.conv_fwd(x, w, b, stride=s, padding=p, activation="relu") for x, w, b, _, s, p in layers]
+        for x, w, _, dy, s, p in reversed(layers):
+            keep.append(cg.conv_bwd_data(dy, w, x_shape=x.shape, stride=s, padding=p))
+            keep.append(cg.conv_bwd_filter(x, dy, w_shape=w.shape, stride=s, padding=p))
+        return keep
+
+    def theirs():
+        keep = [F.relu(F.conv2d(x, w, b, stride=s, padding=p)) for x, w, b, _, s, p in layers]
+        for x, w, _, dy, s, p in reversed(layers):
+            keep.append(conv_bwd(dy, x, w, None, [s, s], [p, p], [1, 1], False, [0, 0], 1, [True, True, False]))
+        return keep
+
+    def step_ms(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    for fn in (ours, theirs):
+        for _ in range(3):
+            fn()
+    samples = {"ours": [], "torch": []}
+    for _ in range(rounds):
+        samples["ours"].append(step_ms(ours))
+        samples["torch"].append(step_ms(theirs))
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    out["speedup"] = out["torch"] / out["ours"]
+    out["convs"] = len(layers)
+    print(f"ResNet-50 step ({len(layers)} convs, batch {batch}): ours {out['ours']:.2f} ms, torch eager "
+          f"{out['torch']:.2f} ms: {out['speedup']:.2f}x", flush=True)
+    return out
+
+
+# -- 3. warm start, each measurement a fresh process ------------------------------------------------
+
+def warm_child(mode: str, cache: str) -> dict:
+    torch = _torch()
+    import torch.nn.functional as F
+
+    torch.zeros(1, device="cuda")
+    cl = torch.channels_last
+    x = torch.randn(16, 128, 28, 28, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    w = (torch.randn(128, 128, 3, 3, device="cuda", dtype=torch.half) * 0.05).contiguous(memory_format=cl)
+    b, dy = torch.randn(128, device="cuda", dtype=torch.half), torch.randn_like(x)
+    torch.cuda.synchronize()
+    marks = {}
+    t0 = time.perf_counter()
+    if mode == "ours":
+        import os
+
+        os.environ["CUDNN_GRAPHS_CACHE_DIR"] = cache
+        import cudnn_graphs as cg
+
+        marks["import"] = time.perf_counter() - t0
+        y = cg.conv_fwd(x, w, b, padding=1, activation="gelu")
+        marks["fwd"] = time.perf_counter() - t0
+        dx = cg.conv_bwd_data(dy, w, pre_act=x, padding=1, activation_backward="relu")
+        marks["dgrad"] = time.perf_counter() - t0
+        dw, db = cg.conv_bwd_filter(x, dy, w_shape=w.shape, padding=1, bias_grad=True)
+        marks["wgrad"] = time.perf_counter() - t0
+        marks["stats"] = cg.default_session(0).stats()
+    else:
+        torch.backends.cudnn.benchmark = mode == "torch_benchmark"
+        y = F.gelu(F.conv2d(x, w, b, padding=1))
+        conv_bwd = torch.ops.aten.convolution_backward
+        dx = conv_bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])[0] * (x > 0)
+        dw = conv_bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False])[1]
+        db = dy.sum((0, 2, 3))
+    torch.cuda.synchronize()
+    marks["total_ms"] = (time.perf_counter() - t0) * 1e3
+    marks["modules"] = sorted(m for m in ("cupy", "cudnn", "cudnn_graphs") if m in sys.modules)
+    del y, dx, dw, db
+    return marks
+
+
+def warm_start(*, rounds: int) -> dict:
+    cache = tempfile.mkdtemp(prefix="cg-bench-")
+
+    def child(mode: str) -> dict:
+        r = subprocess.run([sys.executable, __file__, "--warm-child", mode, cache], check=True, capture_output=True,
+                           text=True)
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    child("ours")  # fills the plan cache (cold)
+    child("torch_benchmark")  # fills the driver's JIT cache for torch: what follows is its second process
+    runs = {"ours": [], "torch_no_benchmark": [], "torch_benchmark": []}
+    for _ in range(rounds):
+        for mode in runs:
+            runs[mode].append(child(mode))
+    out = {mode: statistics.median(r["total_ms"] for r in rs) for mode, rs in runs.items()}
+    out["ours_runs"] = runs["ours"]
+    print(f"warm start to the end of fwd+dgrad+wgrad: ours {out['ours']:.1f} ms, torch benchmark=False "
+          f"{out['torch_no_benchmark']:.1f} ms, torch benchmark=True (2nd process) {out['torch_benchmark']:.1f} ms; "
+          f"ours stats {runs['ours'][-1]['stats']}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=100, help="calls per host/device sample (keep the queue < 1000)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--skip-warm", action="store_true")
+    p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--warm-child", nargs=2, metavar=("MODE", "CACHE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warm_child:
+        print(json.dumps(warm_child(*args.warm_child)))
+        return 0
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    torch = _torch()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if not args.skip_warm:
+        result["warm_start_ms"] = warm_start(rounds=args.rounds)
+    result["entry_points"] = entry_points(rounds=args.rounds, calls=args.calls)
+    if not args.skip_step:
+        result["resnet50_step_ms"] = resnet50_step(batch=args.batch, rounds=max(args.rounds, 10))
+    import cudnn_graphs as cg
+
+    result["env"] = cg.default_session(0).env.to_dict()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""Probe (GPU host): host cost of the pieces a conv call is made of, and where a warm start goes.
+
+  python3 tools/probe_call_path.py --out probe.json          # parts A and B
+  python3 tools/probe_call_path.py --warm-child CACHE MODE   # (internal) one fresh warm-start process
+
+A: host us per call of each primitive with the GPU held busy by a sleep kernel (torch imported).
+B: a fresh torch process with a warm cache, timed step by step to the end of its first fwd (conv +
+bias + gelu), dgrad (relu') and wgrad (bias grad), 16x128x28x28 3x3 fp16 NHWC; MODE "fe" loads plans
+with the frontend's deserialize as is, "nowarm" with its warm-up capture skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+T0 = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPE = dict(x=(16, 128, 28, 28), w=(128, 128, 3, 3))
+
+
+def host_us(fn, calls=200, rounds=7) -> float:
+    import torch
+
+    out = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def part_a(cache: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import cudnn_graphs as cg
+    from cudnn_graphs.execute import driver
+
+    cl = torch.channels_last
+    x = torch.randn(32, 128, 28, 28, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    w = (torch.randn(128, 128, 3, 3, device="cuda", dtype=torch.half) * 0.05).contiguous(memory_format=cl)
+    b = torch.randn(128, device="cuda", dtype=torch.half)
+    y = torch.empty_like(x)
+    dev = x.device
+    shape, strides = tuple(x.shape), x.stride()
+    s = torch.cuda.current_stream().cuda_stream
+    session = cg.Session(cache=cache)
+    spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last", bias=True,
+                          activation="relu")
+    plan = session.plan(spec)
+    direct = plan.bind(x=x, w=w, bias=b, y=y, cuda_graph=False)
+    graph = plan.bind(x=x, w=w, bias=b, y=y)
+    graph.launch(), graph.launch()
+    fe = __import__("cudnn")
+    h = session.handle
+    res = {}
+    cases = {
+        "torch.empty_strided": lambda: torch.empty_strided(shape, strides, dtype=torch.half, device=dev),
+        "x.new_empty_strided": lambda: x.new_empty_strided(shape, strides),
+        "torch.empty(memory_format)": lambda: torch.empty(shape, dtype=torch.half, device=dev, memory_format=cl),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "_cuda_getCurrentRawStream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
+        "read 4 tensors (shape,stride,dtype,dev,ptr)": lambda: [(t.shape, t.stride(), t.dtype, t.get_device(),
+                                                                 t.data_ptr()) for t in (x, w, b, y)],
+        "driver.is_capturing": lambda: driver.is_capturing(s),
+        "torch.cuda.is_current_stream_capturing": torch.cuda.is_current_stream_capturing,
+        "fe.set_stream(same)": lambda: fe.set_stream(handle=h, stream=s),
+        "bound.launch direct": direct.launch,
+        "bound.launch graph": graph.launch,
+        "plan.execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
+        "cg.conv_fwd": lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu", session=session),
+        "torch relu(conv2d)": lambda: F.relu(F.conv2d(x, w, b, padding=1)),
+        "torch conv2d": lambda: F.conv2d(x, w, b, padding=1),
+        "torch convolution_backward dx": lambda: torch.ops.aten.convolution_backward(
+            x, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]),
+    }
+    torch.backends.cudnn.benchmark = True
+    for name, fn in cases.items():
+        fn()
+        res[name] = host_us(fn)
+        print(f"{name:45s} {res[name]:8.2f} us", flush=True)
+    return res
+
+
+def warm_child(cache: str, mode: str) -> dict:
+    marks = {"process_start_to_main": time.perf_counter() - T0}
+    t = time.perf_counter()
+
+    def mark(name):
+        nonlocal t
+        now = time.perf_counter()
+        marks[name] = (now - t) * 1e3
+        t = now
+
+    import torch
+
+    torch.zeros(1, device="cuda")
+    cl = torch.channels_last
+    x = torch.randn(*SHAPE["x"], device="cuda", dtype=torch.half).contiguous(memory_format=cl)
+    w = torch.randn(*SHAPE["w"], device="cuda", dtype=torch.half).contiguous(memory_format=cl) * 0.05
+    b = torch.randn(128, device="cuda", dtype=torch.half)
+    dy = torch.randn_like(x)
+    torch.cuda.synchronize()
+    mark("torch_ready")
+    import cudnn  # noqa: F401
+    mark("import_cudnn")
+    import cudnn_graphs as cg
+    mark("import_cudnn_graphs")
+    from cudnn_graphs.graph import frontend
+    if mode == "nowarm":
+        _skip_frontend_warmup(frontend)
+    session = cg.Session(cache=cache)
+    mark("Session()")
+    session.handle
+    mark("handle")
+    common = dict(padding=1, dtype="float16", layout="channels_last")
+    specs = {"fwd": cg.ConvFwdSpec(x.shape, w.shape, bias=True, activation="gelu", **common),
+             "dgrad": cg.ConvBwdDataSpec(x.shape, w.shape, x.shape, activation_backward="relu", **common),
+             "wgrad": cg.ConvBwdFilterSpec(x.shape, x.shape, w.shape, bias_grad=True, **common)}
+    plans = {}
+    for k, spec in specs.items():
+        plans[k] = session.plan(spec)
+        mark(f"load_{k}")
+    y = torch.empty_like(x)
+    plans["fwd"].execute(x=x, w=w, bias=b, y=y)
+    mark("exec_fwd")
+    plans["dgrad"].execute(dy=dy, w=w, pre_act=x, dx=torch.empty_like(x))
+    mark("exec_dgrad")
+    plans["wgrad"].execute(x=x, dy=dy, dw=torch.empty_like(w), db=torch.empty_like(b))
+    mark("exec_wgrad")
+    torch.cuda.synchronize()
+    mark("sync")
+    marks["stats"] = session.stats()
+    marks["modules"] = sorted(m for m in ("cupy", "cudnn", "numpy", "msgpack") if m in sys.modules)
+    return marks
+
+
+def _skip_frontend_warmup(frontend) -> None:
+    """deserialize() with the handle's stream under a throw-away capture: FE's warm-up sees a capture
+    and returns before its cudaMalloc/capture/cudaFree (cudaFree synchronises the device)."""
+    from cudnn_graphs.execute import driver
+
+    original = frontend.deserialize
+    side = driver.new_stream()
+
+    def deserialize(blob, *, handle):
+        fe = frontend.cudnn()
+        fe.set_stream(handle=handle, stream=side)
+        driver.begin_capture(side)
+        try:
+            return original(blob, handle=handle)
+        finally:
+            g = driver.end_capture(side)
+            driver.lib().cuGraphDestroy(g)
+            fe.set_stream(handle=handle, stream=0)
+
+    frontend.deserialize = deserialize
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path)
+    p.add_argument("--warm-child", nargs=2)
+    p.add_argument("--skip-a", action="store_true")
+    args = p.parse_args(argv)
+    if args.warm_child:
+        print(json.dumps(warm_child(*args.warm_child)))
+        return 0
+    import tempfile
+
+    cache = tempfile.mkdtemp()
+    out = {}
+    # fill the cache (cold) in a child, then time fresh warm children of each mode, interleaved
+    subprocess.run([sys.executable, __file__, "--warm-child", cache, "fe"], check=True, capture_output=True)
+    runs = {"fe": [], "nowarm": []}
+    for _ in range(3):
+        for mode in runs:
+            r = subprocess.run([sys.executable, __file__, "--warm-child", cache, mode], check=True,
+                               capture_output=True, text=True)
+            runs[mode].append(json.loads(r.stdout.strip().splitlines()[-1]))
+    out["warm"] = runs
+    for mode, rs in runs.items():
+        keys = [k for k, v in rs[0].items() if isinstance(v, float)]
+        print(mode, {k: round(statistics.median(r[k] for r in rs), 1) for k in keys}, rs[0]["modules"])
+    if not args.skip_a:
+        out["host_us"] = part_a(cache)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
