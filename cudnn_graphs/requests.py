@@ -96,19 +96,6 @@ class _ConvRequest:
     def _fields(self) -> dict[str, Any]:
         raise NotImplementedError
 
-    def outputs(self, spec: _ConvSpec) -> dict[str, Any]:
-        """Every output buffer: the caller's, else a new one shaped and laid out as the spec says."""
-        descs = spec.tensors()
-        like = self.buffers[self.primary]
-        return {role: self.buffers.get(role) if self.buffers.get(role) is not None
-                else allocate_like(descs[role], like=like, framework=self.framework, device=self.device)
-                for role in self.output_roles if role in descs}
-
-    def result(self, outputs: dict[str, Any]) -> Any:
-        """What `run` returns: the one output, or a tuple in role order."""
-        values = tuple(outputs.values())
-        return values[0] if len(values) == 1 else values
-
     def _groups(self, c: int, w_c: int | None) -> dict[str, Any]:
         """groups as given, else C // (C per group) as PyTorch's weight shape implies."""
         if self.params.get("groups") is None and w_c and c % w_c == 0:
