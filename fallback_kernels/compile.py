@@ -43,6 +43,25 @@ def load_module(filename: str, name_expressions: tuple[str, ...], device: int,
     return module
 
 
+@functools.lru_cache(maxsize=None)
+def cubin(filename: str, name_expression: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS) -> tuple[bytes, str]:
+    """(cubin, lowered name) of one kernel instantiation for `arch` (e.g. "sm_90"), compiled with NVRTC
+    (no GPU needed). Plans keep the cubin in their record, so a warm process loads it with the driver
+    and neither compiles nor imports CuPy."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        nvrtc.addNameExpression(prog, name_expression)
+        try:
+            nvrtc.compileProgram(prog, [*options, f"--gpu-architecture={arch}"])
+        except Exception as err:  # the status alone says nothing: attach the compiler's log
+            raise KernelCompileError(filename, f"{err}\n{nvrtc.getProgramLog(prog)}", options) from err
+        return bytes(nvrtc.getCUBIN(prog)), nvrtc.getLoweredName(prog, name_expression)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def nvrtc_check(filename: str, name_expressions: Sequence[str], arch: str,
                 options: tuple[str, ...] = BASE_OPTIONS) -> dict[str, str]:
     """Compile with NVRTC for `arch` (e.g. "sm_90") without a GPU; {name expression: lowered name}."""

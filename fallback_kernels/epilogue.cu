@@ -16,6 +16,9 @@ __device__ __forceinline__ double m_log1p(double x) { return log1p(x); }
 #include "activations.cuh"
 
 // meta: rank, shape[5], then 5 strides for each of up to 4 tensors (elements; logical N, C, ...).
+// Passed by value as a kernel argument: a plan needs no device memory of its own for it.
+struct Meta { long long v[26]; };
+
 __device__ __forceinline__ void offsets(long long i, const long long* meta, int ntensors, long long* off) {
     const int rank = (int)meta[0];
     for (int t = 0; t < ntensors; ++t) off[t] = 0;
@@ -36,8 +39,8 @@ __device__ __forceinline__ long long channel_of(long long i, const long long* me
 // tensors in meta order: 0 = acc, 1 = y, 2 = z
 template <typename T, typename A, typename C>
 __global__ void epilogue_fwd(const C* __restrict__ acc, const T* __restrict__ bias, const T* __restrict__ z,
-                             T* __restrict__ y, const long long* __restrict__ meta, long long n,
-                             A alpha, A beta, int act, A param) {
+                             T* __restrict__ y, const Meta m, long long n, A alpha, A beta, int act, A param) {
+    const long long* meta = m.v;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         long long off[3];
         offsets(i, meta, 3, off);
@@ -51,7 +54,8 @@ __global__ void epilogue_fwd(const C* __restrict__ acc, const T* __restrict__ bi
 // tensors in meta order: 0 = acc (dgrad output), 1 = dx, 2 = pre
 template <typename T, typename A, typename C>
 __global__ void epilogue_act_backward(const C* __restrict__ acc, const T* __restrict__ pre, T* __restrict__ dx,
-                                      const long long* __restrict__ meta, long long n, int act, A param) {
+                                      const Meta m, long long n, int act, A param) {
+    const long long* meta = m.v;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         long long off[3];
         offsets(i, meta, 3, off);
@@ -61,7 +65,8 @@ __global__ void epilogue_act_backward(const C* __restrict__ acc, const T* __rest
 
 // One block per channel, a fixed summation order: deterministic. tensor 0 = dy.
 template <typename T, typename A>
-__global__ void bias_grad(const T* __restrict__ dy, T* __restrict__ db, const long long* __restrict__ meta) {
+__global__ void bias_grad(const T* __restrict__ dy, T* __restrict__ db, const Meta m) {
+    const long long* meta = m.v;
     __shared__ A partial[256];
     const int rank = (int)meta[0];
     const long long k = blockIdx.x;

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
+import ctypes
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from cudnn_graphs.execute.streams import external_stream
+from cudnn_graphs.execute import driver
 from cudnn_graphs.spec.activations import ACTIVATIONS
 
 from . import compile as _compile
@@ -35,58 +34,66 @@ def name_expressions() -> list[str]:
     return names
 
 
-def _module(device: int) -> Any:
-    return _compile.load_module("epilogue.cu", tuple(name_expressions()), device, OPTIONS)
+class _Meta(ctypes.Structure):
+    """epilogue.cu's `Meta`, passed by value: rank, shape[5], then 5 strides per tensor (up to 4)."""
+
+    _fields_ = [("v", ctypes.c_longlong * 26)]
 
 
-def _meta(shape, *strides_per_tensor) -> np.ndarray:
-    meta = np.zeros(1 + 5 + 5 * 4, dtype=np.int64)
-    meta[0] = len(shape)
-    meta[1:1 + len(shape)] = shape
+def _meta(shape, *strides_per_tensor) -> _Meta:
+    meta = _Meta()
+    meta.v[0] = len(shape)
+    for d, n in enumerate(shape):
+        meta.v[1 + d] = n
     for t, strides in enumerate(strides_per_tensor):
-        meta[6 + 5 * t:6 + 5 * t + len(strides)] = strides
+        for d, st in enumerate(strides):
+            meta.v[6 + 5 * t + d] = st
     return meta
 
 
 @dataclass
 class KernelPart:
-    """A non-cuDNN step of a plan: one kernel launch reading and writing role buffers."""
+    """A non-cuDNN step of a plan: one kernel launch reading and writing role buffers.
+
+    `args` are the kernel's arguments in order: a role name (that buffer's pointer, given per call)
+    or a ctypes value. The cubin travels in the plan's record, so a warm process only loads it.
+    """
 
     name: str
     roles: tuple[str, ...]
     engine: str
     device: int
-    function: Any = field(repr=False)
-    meta: Any = field(repr=False)  # device array, kept alive with the plan
+    cubin: bytes = field(repr=False)
+    function_name: str = field(repr=False)  # the instantiation's lowered (mangled) name
     grid: int
     block: int
-    make_args: Any = field(repr=False)
+    args: tuple = field(repr=False)
     workspace_size: int = 0
     behavior_notes: tuple[str, ...] = ()
     numerical_notes: tuple[str, ...] = ()
     deterministic: bool = True  # elementwise, or one block per channel with a fixed reduction order
 
-    def prepare(self, ptrs: dict[str, int]) -> tuple:
-        return self.make_args({role: np.uint64(ptrs.get(role, 0)) for role in self.roles}, np.uint64(self.meta.data.ptr))
-
     def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
                handle: Any) -> Any:
         """`run(ptrs)` launching the kernel on `stream_ptr`, `ptrs[slots[role]]` being a role's pointer
-        in this call and `fixed` holding the rest (scratch)."""
-        import cupy
-
-        stream = external_stream(stream_ptr)
-        dynamic = [(role, slots[role]) for role in self.roles if role in slots]
-        base = {role: fixed.get(role, 0) for role in self.roles}
-        launch = functools.partial(self.function, (self.grid,), (self.block,))
-        device = self.device
+        in this call and `fixed` holding the rest (scratch). Arguments are packed once, here."""
+        values, patch = [], []
+        for arg in self.args:
+            if isinstance(arg, str):
+                value = ctypes.c_uint64(fixed.get(arg, 0))
+                if arg in slots:
+                    patch.append((value, slots[arg]))
+            else:
+                value = type(arg).from_buffer_copy(arg)
+            values.append(value)
+        fn = driver.function(self.cubin, self.function_name, self.device)
+        kernel = driver.Kernel(fn, grid=self.grid, block=self.block, args=values, ordinal=self.device)
+        launch, patch = kernel.launch, tuple(patch)
 
         def run(ptrs) -> None:
-            args = self.prepare({**base, **{role: ptrs[slot] for role, slot in dynamic}})
-            if cupy.cuda.runtime.getDevice() != device:  # a module is loaded per device: switch for the launch
-                with cupy.cuda.Device(device):
-                    return launch(args, stream=stream)
-            launch(args, stream=stream)
+            for value, slot in patch:
+                value.value = ptrs[slot]
+            launch(stream_ptr)
 
         return run
 
@@ -95,62 +102,57 @@ def _grid(n: int) -> int:
     return max(1, min((n + BLOCK - 1) // BLOCK, 65535))
 
 
-def _upload(meta: np.ndarray, device: int) -> Any:
-    import cupy
+def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid: int, args: tuple,
+          compiled: tuple[bytes, str] | None) -> KernelPart:
+    cubin, lowered = compiled or _compile.cubin("epilogue.cu", expression, _arch(device), OPTIONS)
+    driver.function(cubin, lowered, device)  # load now: a stored cubin that will not load fails the plan's load
+    return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, BLOCK, args)
 
-    with cupy.cuda.Device(device):
-        return cupy.asarray(meta)
+
+def _arch(device: int) -> str:
+    from cudnn_graphs.environment import environment
+
+    major, minor = environment(device).compute_capability
+    return f"sm_{major}{minor}"
 
 
-def fwd_epilogue(spec, acc, device: int) -> KernelPart:
-    """y = act(alpha*acc + bias + beta*z) for a ConvFwdSpec; `acc` is the conv output's TensorDesc."""
+def _real(math_type: str):
+    return ctypes.c_double if math_type == "double" else ctypes.c_float
+
+
+def fwd_epilogue(spec, acc, device: int, compiled: tuple[bytes, str] | None = None) -> KernelPart:
+    """y = act(alpha*acc + bias + beta*z) for a ConvFwdSpec; `acc` is the conv output's TensorDesc.
+    `compiled`: (cubin, lowered name) from a stored plan, else compiled now."""
     t = spec.tensors()
     y, z = t["y"], t.get("z")
     io, a = CTYPES[spec.dtype]
-    c = CTYPES[acc.dtype][0]
-    name = f"epilogue_fwd<{io}, {a}, {c}>"
-    real = np.float64 if a == "double" else np.float32
-    act = spec.activation
-    meta = _upload(_meta(y.shape, acc.strides, y.strides, z.strides if z else ()), device)
-    n = int(np.prod(y.shape))
+    real, act = _real(a), spec.activation
+    n = math.prod(y.shape)
+    absent = ctypes.c_uint64(0)
+    args = ("acc", "bias" if spec.bias else absent, "z" if spec.residual else absent, "y",
+            _meta(y.shape, acc.strides, y.strides, z.strides if z else ()), ctypes.c_int64(n), real(spec.alpha),
+            real(spec.beta), ctypes.c_int32(ACT_CODES[act.name]), real(act.param or 0.0))
     roles = ("acc", "y") + (("bias",) if spec.bias else ()) + (("z",) if spec.residual else ())
-
-    def make_args(p, meta_ptr):
-        return (p["acc"], p.get("bias", np.uint64(0)), p.get("z", np.uint64(0)), p["y"], meta_ptr, np.int64(n),
-                real(spec.alpha), real(spec.beta), np.int32(ACT_CODES[act.name]), real(act.param or 0.0))
-
-    return KernelPart("fwd_epilogue", roles, f"kernel:{name}", device, _module(device).get_function(name),
-                      meta, _grid(n), BLOCK, make_args)
+    return _part("fwd_epilogue", roles, f"epilogue_fwd<{io}, {a}, {CTYPES[acc.dtype][0]}>", device, _grid(n), args,
+                 compiled)
 
 
-def act_backward(spec, acc, device: int) -> KernelPart:
+def act_backward(spec, acc, device: int, compiled: tuple[bytes, str] | None = None) -> KernelPart:
     """dx = acc * act'(pre_act) for a ConvBwdDataSpec."""
     t = spec.tensors()
     dx, pre = t["dx"], t["pre_act"]
     io, a = CTYPES[spec.dtype]
-    name = f"epilogue_act_backward<{io}, {a}, {CTYPES[acc.dtype][0]}>"
-    real = np.float64 if a == "double" else np.float32
     act = spec.activation_backward
-    meta = _upload(_meta(dx.shape, acc.strides, dx.strides, pre.strides), device)
-    n = int(np.prod(dx.shape))
-
-    def make_args(p, meta_ptr):
-        return (p["acc"], p["pre_act"], p["dx"], meta_ptr, np.int64(n), np.int32(ACT_CODES[act.name]),
-                real(act.param or 0.0))
-
-    return KernelPart("act_backward", ("acc", "pre_act", "dx"), f"kernel:{name}", device,
-                      _module(device).get_function(name), meta, _grid(n), BLOCK, make_args)
+    n = math.prod(dx.shape)
+    args = ("acc", "pre_act", "dx", _meta(dx.shape, acc.strides, dx.strides, pre.strides), ctypes.c_int64(n),
+            ctypes.c_int32(ACT_CODES[act.name]), _real(a)(act.param or 0.0))
+    return _part("act_backward", ("acc", "pre_act", "dx"), f"epilogue_act_backward<{io}, {a}, {CTYPES[acc.dtype][0]}>",
+                 device, _grid(n), args, compiled)
 
 
-def bias_grad(spec, device: int) -> KernelPart:
+def bias_grad(spec, device: int, compiled: tuple[bytes, str] | None = None) -> KernelPart:
     """db[k] = sum of dy[:, k, ...] in a fixed order (deterministic) for a ConvBwdFilterSpec."""
     dy = spec.tensors()["dy"]
     io, a = CTYPES[spec.dtype]
-    name = f"bias_grad<{io}, {a}>"
-    meta = _upload(_meta(dy.shape, dy.strides), device)
-
-    def make_args(p, meta_ptr):
-        return (p["dy"], p["db"], meta_ptr)
-
-    return KernelPart("bias_grad", ("dy", "db"), f"kernel:{name}", device, _module(device).get_function(name),
-                      meta, spec.w_shape[0], BLOCK, make_args)
+    args = ("dy", "db", _meta(dy.shape, dy.strides))
+    return _part("bias_grad", ("dy", "db"), f"bias_grad<{io}, {a}>", device, spec.w_shape[0], args, compiled)

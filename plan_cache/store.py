@@ -27,13 +27,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import filelock
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._files import write_atomic
 from .errors import CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
+
+if TYPE_CHECKING:
+    import filelock
 
 __all__ = ["PlanStore", "STALE_TEMP_AGE", "TOUCH_INTERVAL", "QUARANTINE_KEEP"]
 
@@ -386,6 +387,8 @@ class PlanStore:
                 lock.release()
 
     def _acquire_lock(self, name: str) -> filelock.BaseFileLock | None:
+        import filelock  # only writers lock: a process that only reads plans never imports it
+
         if not self._use_soft_lock:
             lock = filelock.FileLock(os.fspath(self._root / f"{name}.lock"), timeout=self._lock_timeout)
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from cudnn_graphs.errors import KernelCompileError
@@ -33,3 +35,17 @@ def test_activation_codes_match_the_cuda_enum():
                 "tanh": "ACT_TANH", "softplus": "ACT_SOFTPLUS"}
     for act, code in epilogue.ACT_CODES.items():
         assert names[code] == expected[act]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_one_instantiation_compiles_to_a_cubin_with_its_lowered_name(arch):
+    cubin, lowered = kc.cubin("epilogue.cu", "bias_grad<bf16_t, float>", arch, epilogue.OPTIONS)
+    assert cubin[:4] == b"\x7fELF" and lowered.startswith("_Z9bias_grad")
+    assert lowered.encode() in cubin
+
+
+def test_meta_matches_the_kernels_by_value_struct():
+    meta = epilogue._meta((2, 3, 4, 5), (60, 20, 5, 1), (60, 1, 15, 3))
+    assert ctypes.sizeof(meta) == 26 * 8 and "struct Meta { long long v[26]; }" in epilogue.source()
+    assert list(meta.v[:5]) == [4, 2, 3, 4, 5] and list(meta.v[6:10]) == [60, 20, 5, 1]
+    assert list(meta.v[11:15]) == [60, 1, 15, 3]

@@ -175,3 +175,33 @@ def test_prefetch_loads_stored_plans_on_a_background_thread(tmp_path):
     assert ref.rel_err(y, want) < ref.TOLERANCE["float16"]
     stats = reader.counters()
     assert (stats["disk_hits"], stats["builds"], stats["memory_hits"]) == (2, 0, 1)
+
+
+_WARM_CHILD = """
+import sys, torch
+import cudnn_graphs as cg
+x = torch.randn(2, 16, 10, 10, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+dy = torch.randn_like(x)
+dw, db = cg.conv_bwd_filter(x, dy, w_shape=(16, 16, 3, 3), padding=1, bias_grad=True)
+xd, wd = x.double(), torch.zeros(16, 16, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
+torch.nn.functional.conv2d(xd, wd, padding=1).backward(dy.double())
+err = max(float((dw.double() - wd.grad).norm() / wd.grad.norm()),
+          float((db.double() - dy.double().sum((0, 2, 3))).norm() / dy.double().sum((0, 2, 3)).norm()))
+stats = cg.default_session(0).counters()
+print(err, stats["disk_hits"], stats["builds"], sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends")))
+"""
+
+
+def test_a_warm_torch_process_loads_kernel_parts_without_cupy_or_nvrtc(tmp_path):
+    """wgrad + bias gradient is a cuDNN part and our kernel: its cubin comes from the record."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", _WARM_CHILD], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    err, hits, builds, modules = runs[1].stdout.strip().split(" ", 3)
+    assert float(err) < ref.TOLERANCE["float16"]
+    assert (int(hits), int(builds)) == (1, 0)
+    assert modules == "[]", f"the warm process imported {modules}"

@@ -396,7 +396,7 @@ def test_soft_lock_fallback_when_file_locks_fail(tmp_path, monkeypatch):
             raise OSError(errno.ENOLCK, "no locks available")
 
     store = _lru_store(tmp_path)
-    monkeypatch.setattr(store_mod.filelock, "FileLock", NoFlock)
+    monkeypatch.setattr(filelock, "FileLock", NoFlock)  # the store imports filelock when it first locks
     assert store.put(_record(KEY_D, size=1000))
     assert sorted(store.keys()) == [KEY_B, KEY_C, KEY_D]
     assert not (store.root / ".evict.softlock").exists()  # released

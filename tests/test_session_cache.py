@@ -125,3 +125,16 @@ def test_sessions_that_choose_differently_do_not_share_records():
     keys = {cg.Session(cache=False).signature(spec), cg.Session(cache=False, max_workspace_bytes=0).signature(spec),
             cg.Session(cache=False, fuse=False).signature(spec), cg.Session(cache=False, deterministic=True).signature(spec)}
     assert len(keys) == 4
+
+
+def test_a_kernel_part_keeps_its_cubin_in_the_record(fake_env):
+    from fallback_kernels.epilogue import KernelPart
+
+    spec = cg.ConvBwdFilterSpec((2, 4, 6, 6), (2, 8, 6, 6), (8, 4, 3, 3), padding=1, bias_grad=True)
+    kernel = KernelPart("bias_grad", ("dy", "db"), "kernel:bias_grad<float, float>", 0, b"\x7fELF-cubin",
+                        "_Z9bias_gradIffEvPKT_PS0_4Meta", 8, 256, ("dy", "db"))
+    plan = Plan(spec=spec, signature="a" * 64, device=0, fused=False, parts=(kernel,), intermediates={}, handles=None)
+    record = plan_to_record(plan, env=fake_env)
+    (entry,) = record.meta["parts"]
+    assert (entry["kind"], entry["function"]) == ("kernel", "_Z9bias_gradIffEvPKT_PS0_4Meta")
+    assert msgpack.unpackb(record.blob, raw=False)[entry["blob_index"]] == b"\x7fELF-cubin"

@@ -10,7 +10,10 @@ runs in a fresh process, timed from just before the process is started to the en
 "Ours" is a process of this library and CuPy alone (buffers from CuPy): the library needs no torch.
 (d) runs a second time in a process that imports torch and allocates with it, as a training job
 would; torch's own import (seconds) is then in both (a) and (d) and bounds their ratio.
-CUDA_CACHE_DISABLE=1 keeps the driver's JIT cache from carrying compiled kernels between processes.
+--jit-cache off (default): CUDA_CACHE_DISABLE=1 keeps the driver's JIT cache from carrying compiled
+kernels between processes (a fresh node). --jit-cache on: the way real jobs run, the driver's JIT
+cache on (in a private directory, empty at the start), torch run twice and its second process
+reported as (a); --warm-from heuristic warms the cache with (b) instead of the long autotune (c).
 Run `python3 -m compileall` over the library first: an installed package has its bytecode.
 """
 
@@ -134,8 +137,13 @@ def _torch_step(layers, bufs, torch) -> None:
 
 
 def run_child(mode: str, cache: Path, args, framework: str = "cupy") -> dict:
-    env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache), CUDA_CACHE_DISABLE="1",
+    env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache), PYTHONPYCACHEPREFIX=str(args.pycache_dir),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.jit_cache == "off":
+        env["CUDA_CACHE_DISABLE"] = "1"
+    else:
+        env.pop("CUDA_CACHE_DISABLE", None)
+        env["CUDA_CACHE_PATH"] = str(args.jit_cache_dir)
     cmd = [sys.executable, __file__, "--child", mode, "--framework", framework, "--batch", str(args.batch)]
     if args.autotune_limit:
         cmd += ["--autotune-limit", str(args.autotune_limit)]
@@ -157,6 +165,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--autotune-limit", type=int, default=None,
                    help="candidates timed per graph in (c) (default: all; torch's benchmark_limit is 10)")
+    p.add_argument("--jit-cache", choices=("off", "on"), default="off",
+                   help="off: CUDA_CACHE_DISABLE=1 (a fresh node); on: the driver's JIT cache kept, torch timed in "
+                        "its second process")
+    p.add_argument("--warm-from", choices=("autotune", "heuristic"), default="autotune",
+                   help="which cold run fills the cache that (d) starts from")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     if args.child:
@@ -164,23 +177,34 @@ def main() -> int:
         return 0
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        args.jit_cache_dir = Path(tmp, "jit-cache")
+        args.pycache_dir = Path(tmp, "pycache")  # bytecode as an installed package has it, after the first child
         heur, tuned = Path(tmp, "heuristic"), Path(tmp, "autotune")
-        for name, mode, cache, framework in [
-                ("a_torch_benchmark", "torch", Path(tmp, "unused"), "torch"),
-                ("b_cold_heuristic", "heuristic", heur, "cupy"), ("c_cold_autotune", "autotune", tuned, "cupy"),
-                ("d_warm_after_autotune", "warm", tuned, "cupy"),
-                ("d_warm_after_autotune_torch_process", "warm", tuned, "torch")]:
+        warm_cache = tuned if args.warm_from == "autotune" else heur
+        runs = [("a_torch_benchmark", "torch", Path(tmp, "unused"), "torch")]
+        if args.jit_cache == "on":  # the first torch process fills the JIT cache; the second is what jobs see
+            runs = [("a_torch_benchmark_first_process", "torch", Path(tmp, "unused"), "torch"), *runs]
+        runs += [("b_cold_heuristic", "heuristic", heur, "cupy")]
+        if args.warm_from == "autotune":
+            runs += [("c_cold_autotune", "autotune", tuned, "cupy")]
+        runs += [("d_warm", "warm" if args.warm_from == "autotune" else "heuristic", warm_cache, "cupy"),
+                 ("d_warm_torch_process", "warm" if args.warm_from == "autotune" else "heuristic", warm_cache,
+                  "torch")]
+        for name, mode, cache, framework in runs:
             results[name] = run_child(mode, cache, args, framework)
             print(f"{name:36s} {results[name]['seconds']:8.2f} s   (setup {results[name]['setup_seconds']:.2f} s)  "
                   f"{results[name]['marks']} {results[name]['stats']}", flush=True)
-    a, c, d, dt = (results[k]["seconds"] for k in ("a_torch_benchmark", "c_cold_autotune", "d_warm_after_autotune",
-                                                  "d_warm_after_autotune_torch_process"))
+    a, d, dt = (results[k]["seconds"] for k in ("a_torch_benchmark", "d_warm", "d_warm_torch_process"))
     step = {k: r["seconds"] - r["setup_seconds"] for k, r in results.items()}
-    warm = results["d_warm_after_autotune"]["stats"]
-    summary = {"warm_vs_torch": a / d, "warm_vs_cold_autotune": c / d, "warm_in_torch_process_vs_torch": a / dt,
-               "step_only_warm_vs_torch": step["a_torch_benchmark"] / step["d_warm_after_autotune"],
-               "warm_plans_autotuned": warm.get("chosen_by") == ["autotune"],
+    warm = results["d_warm"]["stats"]
+    summary = {"jit_cache": args.jit_cache, "warm_from": args.warm_from, "warm_vs_torch": a / d,
+               "warm_in_torch_process_vs_torch": a / dt,
+               "step_only_warm_vs_torch": step["a_torch_benchmark"] / step["d_warm"],
+               "step_only_warm_torch_process_vs_torch": step["a_torch_benchmark"] / step["d_warm_torch_process"],
+               "warm_plans": warm.get("chosen_by"),
                "warm_builds_and_timings": [warm.get(k) for k in ("builds", "autotuned", "timings")]}
+    if "c_cold_autotune" in results:
+        summary["warm_vs_cold_autotune"] = results["c_cold_autotune"]["seconds"] / d
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"batch": args.batch, "autotune_limit": args.autotune_limit,

@@ -130,9 +130,23 @@ def warm_child(cache: str, mode: str) -> dict:
              "dgrad": cg.ConvBwdDataSpec(x.shape, w.shape, x.shape, activation_backward="relu", **common),
              "wgrad": cg.ConvBwdFilterSpec(x.shape, x.shape, w.shape, bias_grad=True, **common)}
     plans = {}
+    profiler = None
+    if mode == "profile":
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     for k, spec in specs.items():
         plans[k] = session.plan(spec)
         mark(f"load_{k}")
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+        print(text.getvalue(), file=sys.stderr)
     y = torch.empty_like(x)
     plans["fwd"].execute(x=x, w=w, bias=b, y=y)
     mark("exec_fwd")
@@ -174,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--warm-child", nargs=2)
     p.add_argument("--skip-a", action="store_true")
+    p.add_argument("--modes", nargs="*", help="warm-start modes to time (fe, nowarm, profile)")
     args = p.parse_args(argv)
     if args.warm_child:
         print(json.dumps(warm_child(*args.warm_child)))
@@ -184,7 +199,7 @@ def main(argv=None) -> int:
     out = {}
     # fill the cache (cold) in a child, then time fresh warm children of each mode, interleaved
     subprocess.run([sys.executable, __file__, "--warm-child", cache, "fe"], check=True, capture_output=True)
-    runs = {"fe": [], "nowarm": []}
+    runs = {"fe": [], "nowarm": []} if not args.modes else {m: [] for m in args.modes}
     for _ in range(3):
         for mode in runs:
             r = subprocess.run([sys.executable, __file__, "--warm-child", cache, mode], check=True,
@@ -194,6 +209,10 @@ def main(argv=None) -> int:
     for mode, rs in runs.items():
         keys = [k for k, v in rs[0].items() if isinstance(v, float)]
         print(mode, {k: round(statistics.median(r[k] for r in rs), 1) for k in keys}, rs[0]["modules"])
+    if "profile" in runs:
+        r = subprocess.run([sys.executable, __file__, "--warm-child", cache, "profile"], capture_output=True,
+                           text=True, check=True)
+        print(r.stderr[-6000:])
     if not args.skip_a:
         out["host_us"] = part_a(cache)
     if args.out:

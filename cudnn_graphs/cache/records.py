@@ -1,7 +1,7 @@
 """A built plan as a `plan_cache.PlanRecord`, and back.
 
 blob: msgpack list with one serialized cuDNN execution plan per cuDNN part (None where the engine
-cannot serialize). meta: everything needed to rebuild without heuristics (engine id + knobs per part),
+cannot serialize) and the cubin of each fallback-kernel part. meta: everything needed to rebuild without heuristics (engine id + knobs per part),
 to report (notes, workspace), and to audit (spec, environment, how and when it was chosen, versions).
 """
 
@@ -35,9 +35,9 @@ def plan_to_record(plan, *, env):
     blobs, parts = [], []
     for part in plan.parts:
         entry = _part_meta(part)
-        if entry["kind"] == "cudnn":
-            entry["blob_index"] = len(blobs)
-            blobs.append(_serialize(part))
+        entry["blob_index"] = len(blobs)
+        # A kernel part keeps its cubin: a warm process loads it without NVRTC or CuPy.
+        blobs.append(_serialize(part) if entry["kind"] == "cudnn" else part.cubin)
         parts.append(entry)
     meta = {
         "schema": RECORD_SCHEMA, "library_version": __version__, "spec": plan.spec.to_dict(),
@@ -52,7 +52,7 @@ def _part_meta(part) -> dict[str, Any]:
     common = {"name": part.name, "engine": part.engine, "workspace_size": int(part.workspace_size),
               "behavior_notes": list(part.behavior_notes)}
     if not hasattr(part, "graph"):
-        return {"kind": "kernel", **common}
+        return {"kind": "kernel", **common, "function": part.function_name}
     entry = {"kind": "cudnn", **common, "roles": list(part.roles), "engine_id": part.engine_id,
              "knobs": dict(part.knobs), "scalars": [[uid, float(a[0])] for uid, a in part.scalars.items()],
              "nondeterministic_excluded": bool(part.nondeterministic_excluded),

@@ -49,6 +49,10 @@ def lib() -> Any:
         "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
         "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
         "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_ptr), ctypes.c_int],
+        "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
+        "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
+        "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                           ctypes.c_uint, ctypes.c_uint, _ptr, _ptr, _ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(cuda, name)
@@ -136,6 +140,40 @@ class GraphExec:
                 pass
 
 
+@functools.lru_cache(maxsize=None)
+def function(cubin: bytes, name: str, ordinal: int) -> int:
+    """The CUfunction `name` of `cubin` loaded on device `ordinal` (once per process; the module
+    lives as long as the process, as CuPy's and torch's kernels do)."""
+    cuda = lib()
+    module, fn = _ptr(), _ptr()
+    with device(ordinal):
+        _check(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+    _check(cuda.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), "cuModuleGetFunction")
+    return fn.value
+
+
+class Kernel:
+    """A kernel launch with its arguments packed once: `launch(stream)` after patching `args[i].value`.
+
+    `args` are ctypes scalars or structures in the kernel's parameter order; the parameter array
+    points at them, so changing a value changes the next launch and nothing is packed per call.
+    """
+
+    __slots__ = ("fn", "grid", "block", "args", "_params", "_launch", "_ordinal")
+
+    def __init__(self, fn: int, *, grid: int, block: int, args: list, ordinal: int):
+        self.fn, self.grid, self.block, self.args, self._ordinal = fn, grid, block, args, ordinal
+        self._params = (_ptr * len(args))(*(ctypes.addressof(a) for a in args))
+        self._launch = lib().cuLaunchKernel
+
+    def launch(self, stream: int) -> None:
+        # A function belongs to its device's context: launch there whatever is current on this thread.
+        with device(self._ordinal):
+            status = self._launch(self.fn, self.grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+        if status:
+            raise CudaDriverError("cuLaunchKernel", status)
+
+
 class device:
     """Context manager: make `ordinal`'s primary context current on this thread (what the runtime,
     cuDNN, torch and CuPy call the current device), then restore the previous one."""
@@ -149,8 +187,10 @@ class device:
         cuda = lib()
         saved = _ptr()
         _check(cuda.cuCtxGetCurrent(ctypes.byref(saved)), "cuCtxGetCurrent")
-        self._saved = saved.value
-        _check(cuda.cuCtxSetCurrent(_primary_context(self.ordinal)), "cuCtxSetCurrent")
+        target = _primary_context(self.ordinal)
+        self._saved = None if saved.value == target else saved.value  # None: nothing to switch back
+        if self._saved is not None or saved.value is None:
+            _check(cuda.cuCtxSetCurrent(target), "cuCtxSetCurrent")
         return self
 
     def __exit__(self, *exc) -> None:

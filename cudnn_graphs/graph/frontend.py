@@ -45,6 +45,17 @@ def new_graph(*, io_dtype: str, compute_dtype: str, handle: Any = None, name: st
     )
 
 
+def create_handle(device: int) -> Any:
+    """A cuDNN handle on `device` (which the caller made current). FE >= 1.28's `create_handle()`
+    asks cuda-python for the current device and so imports it (~70 ms on an H100 host): we know the
+    device, so we wrap the backend handle ourselves, as the frontend documents for foreign handles."""
+    fe = cudnn()
+    raw_create = getattr(getattr(fe, "_pybind_module", None), "create_handle", None)
+    if not hasattr(fe, "Handle") or raw_create is None:
+        return fe.create_handle()  # FE <= 1.27: a pybind handle, no device lookup
+    return fe.Handle(raw_create(), device, 0)  # a new handle runs on the legacy stream
+
+
 def version() -> str:
     return str(cudnn().__version__)
 

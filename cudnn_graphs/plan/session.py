@@ -45,7 +45,7 @@ class HandlePool:
         handle = getattr(self._local, "handle", None)
         if handle is None:
             with driver.device(self.device):  # a handle belongs to the device current at creation
-                handle = self._local.handle = frontend.cudnn().create_handle()
+                handle = self._local.handle = frontend.create_handle(self.device)
             self._local.stream = None
         return handle
 
@@ -260,7 +260,10 @@ class Session:
     def _restore_part(self, spec, meta: dict, i: int, entry: dict, blobs: list, intermediates: dict):
         """(part, how) for part `i` of a stored plan: "disk" when its blob loaded, "knobs" when rebuilt."""
         if entry["kind"] == "kernel":
-            return _kernel_part(spec, entry["name"], intermediates, self.device), "disk"
+            index, function = entry.get("blob_index"), entry.get("function")
+            cubin = blobs[index] if isinstance(index, int) and index < len(blobs) else None
+            compiled = (cubin, function) if isinstance(cubin, bytes) and isinstance(function, str) else None
+            return _kernel_part(spec, entry["name"], intermediates, self.device, compiled), "disk"
         blob = blobs[entry["blob_index"]]
         graph, index, how = None, 0, "disk"
         if blob is not None:
@@ -469,13 +472,14 @@ def _acc_dtype(build) -> str | None:
     return None if acc is None else acc.dtype
 
 
-def _kernel_part(spec, name: str, intermediates: dict, device: int):
+def _kernel_part(spec, name: str, intermediates: dict, device: int, compiled: tuple | None = None):
+    """The fallback kernel for graph part `name`; `compiled` is (cubin, lowered name) from a record."""
     from fallback_kernels import epilogue
 
     if name == "fwd_epilogue":
-        return epilogue.fwd_epilogue(spec, intermediates["acc"], device)
+        return epilogue.fwd_epilogue(spec, intermediates["acc"], device, compiled)
     if name == "act_backward":
-        return epilogue.act_backward(spec, intermediates["acc"], device)
+        return epilogue.act_backward(spec, intermediates["acc"], device, compiled)
     if name == "bias_grad":
-        return epilogue.bias_grad(spec, device)
+        return epilogue.bias_grad(spec, device, compiled)
     raise AssertionError(f"no fallback kernel for graph part {name!r}")
