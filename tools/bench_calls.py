@@ -102,6 +102,8 @@ def entry_points(*, rounds: int, calls: int) -> dict:
     pairs = {
         "conv_fwd": (lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu"),
                      lambda: F.relu(F.conv2d(x, w, b, padding=1))),
+        "conv_fwd(y=y)": (lambda: cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu"),
+                          lambda: torch.relu_(torch.convolution(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1))),
         "session.run(ConvFwdRequest)": (lambda: session.run(cg.ConvFwdRequest(x, w, bias=b, padding=1,
                                                                               activation="relu")),
                                         lambda: F.relu(F.conv2d(x, w, b, padding=1))),
@@ -202,18 +204,38 @@ def resnet50_step(*, batch: int, rounds: int) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
+    def device_ms(fn) -> float:  # the queue filled ahead of the timed span: kernels alone
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(5e8))
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
     for fn in (ours, theirs):
         for _ in range(3):
             fn()
-    samples = {"ours": [], "torch": []}
-    for _ in range(rounds):
-        samples["ours"].append(step_ms(ours))
-        samples["torch"].append(step_ms(theirs))
+    samples = {"ours": [], "torch": [], "ours_device": [], "torch_device": []}
+    for _ in range(rounds):  # alternating blocks: a step right after the other side's is not steady state
+        for name, fn in (("ours", ours), ("torch", theirs)):
+            fn()
+            samples[name] += [step_ms(fn), step_ms(fn)]
+            samples[f"{name}_device"].append(device_ms(fn))
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["speedup"] = out["torch"] / out["ours"]
     out["convs"] = len(layers)
+    from cudnn_graphs.plan import default_session
+
+    launchers = [c.launcher for c in default_session(0)._calls.values()]
+    out["launchers_capturing"] = sum(la.capture_enabled for la in launchers)
+    out["launchers"] = len(launchers)
+    out["graphs"] = sum(len(la._graphs) for la in launchers)
     print(f"ResNet-50 step ({len(layers)} convs, batch {batch}): ours {out['ours']:.2f} ms, torch eager "
-          f"{out['torch']:.2f} ms: {out['speedup']:.2f}x", flush=True)
+          f"{out['torch']:.2f} ms: {out['speedup']:.2f}x; device time alone {out['ours_device']:.2f} ms vs "
+          f"{out['torch_device']:.2f} ms; {out['launchers_capturing']}/{out['launchers']} launchers capturing, "
+          f"{out['graphs']} graphs", flush=True)
     return out
 
 

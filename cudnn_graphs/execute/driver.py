@@ -114,7 +114,7 @@ def end_capture(stream: int) -> int:
 class GraphExec:
     """An instantiated CUDA graph; `launch(stream)` replays it. Freed with this object."""
 
-    __slots__ = ("handle", "_launch", "__weakref__")
+    __slots__ = ("handle", "launches", "_arg", "_launch", "__weakref__")
 
     def __init__(self, graph: int):
         cuda = lib()
@@ -124,10 +124,13 @@ class GraphExec:
         finally:
             cuda.cuGraphDestroy(graph)  # the executable keeps what it needs
         self.handle = exec_.value
+        self._arg = exec_  # passed as is: no int -> pointer conversion per launch
         self._launch = cuda.cuGraphLaunch
+        self.launches = 0
 
     def launch(self, stream: int) -> None:
-        status = self._launch(self.handle, stream)
+        self.launches += 1
+        status = self._launch(self._arg, stream)
         if status:
             raise CudaDriverError("cuGraphLaunch", status)
 

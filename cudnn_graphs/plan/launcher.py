@@ -22,8 +22,10 @@ log = logging.getLogger("cudnn_graphs")
 
 GRAPHS_PER_LAUNCHER = 8  # pointer sets kept as graphs; a training loop cycles through one or two
 _SEEN_LIMIT = 64
-# Graphs evicted unused before capture stops for a launcher: pointers that never repeat gain nothing.
+# Graphs evicted without a replay before capture pauses for a launcher: pointers that never repeat gain
+# nothing from a graph. Capture resumes after this many direct calls (warm-up steps may look like that).
 _WASTED_LIMIT = 2 * GRAPHS_PER_LAUNCHER
+_PAUSE_CALLS = 4096
 
 
 class _Prepared:
@@ -57,6 +59,7 @@ class Launcher:
         self._graphs: OrderedDict[tuple, driver.GraphExec] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._wasted = 0
+        self._paused_calls = 0  # direct calls since capture paused for pointers that did not repeat
         self.capture_enabled = True
         self._lock = threading.Lock()
 
@@ -86,10 +89,16 @@ class Launcher:
                 graph.launch(stream)
                 return
         self.prepared(stream)(ptrs)
-        if graph is None and self.capture_enabled:
+        if graph is not None:
+            return
+        if self.capture_enabled:
             if len(self._seen) >= _SEEN_LIMIT:
                 self._seen.clear()
             self._seen[key] = 1
+        elif self._paused_calls:
+            self._paused_calls += 1
+            if self._paused_calls > _PAUSE_CALLS:
+                self._paused_calls, self._wasted, self.capture_enabled = 0, 0, True
 
     def _graph_for(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> driver.GraphExec | None:
         try:
@@ -102,11 +111,11 @@ class Launcher:
         with self._lock:
             self._graphs[key] = graph
             while len(self._graphs) > GRAPHS_PER_LAUNCHER:
-                self._graphs.popitem(last=False)
-                self._wasted += 1
+                _, evicted = self._graphs.popitem(last=False)
+                self._wasted += evicted.launches <= 1  # launched once, when captured: never replayed
         if self._wasted >= _WASTED_LIMIT:
-            log.info("%s: pointers rarely repeat; calls stay direct", self.plan.spec.op)
-            self.capture_enabled = False
+            log.info("%s: pointers rarely repeat; direct calls for a while", self.plan.spec.op)
+            self.capture_enabled, self._paused_calls = False, 1
         return graph
 
     def capture(self, ptrs: Sequence[int], stream: int) -> driver.GraphExec:

@@ -1,0 +1,131 @@
+"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, pausing
+capture when pointers never repeat), with stand-ins for the plan's parts and for CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+from cudnn_graphs.errors import GraphCaptureError
+from cudnn_graphs.plan import launcher as launcher_mod
+from cudnn_graphs.plan.launcher import Launcher
+
+
+class _Handles:
+    def current(self):
+        return "handle"
+
+    def on_stream(self, stream):
+        return "handle"
+
+
+class _Part:
+    def __init__(self, log):
+        self.log = log
+
+    def runner(self, slots, fixed, workspace_ptr, stream_ptr, handle):
+        return lambda ptrs: self.log.append(("direct", stream_ptr, tuple(ptrs)))
+
+
+class _Plan:
+    device = 0
+    engines = ("stand-in",)
+
+    def __init__(self):
+        self.log = []
+        self.parts = (_Part(self.log),)
+        self.handles = _Handles()
+
+        class spec:
+            op = "conv_fwd"
+
+        self.spec = spec
+
+    def _scratch_for(self, stream, framework):
+        return [], {"workspace": 0}
+
+
+class _Graph:
+    def __init__(self, log, ptrs):
+        self.log, self.ptrs, self.launches = log, ptrs, 0
+
+    def launch(self, stream):
+        self.launches += 1
+        self.log.append(("replay", stream, self.ptrs))
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    plan = _Plan()
+    lau = Launcher(plan, ("x", "y"), "torch")
+    lau.captures = 0
+
+    def capture(ptrs, stream):
+        lau.captures += 1
+        return _Graph(plan.log, tuple(ptrs))
+
+    monkeypatch.setattr(lau, "capture", capture)
+    return lau
+
+
+def _never(stream):
+    return False
+
+
+def test_second_sight_captures_then_replays(launcher):
+    for _ in range(4):
+        launcher.launch((16, 32), 7, _never)
+    kinds = [entry[0] for entry in launcher.plan.log]
+    assert kinds == ["direct", "replay", "replay", "replay"] and launcher.captures == 1
+
+
+def test_a_capturing_stream_gets_direct_runs(launcher):
+    for _ in range(3):
+        launcher.launch((16, 32), 7, _never)
+    launcher.plan.log.clear()
+    launcher.launch((16, 32), 7, lambda stream: True)  # the caller is capturing: record the parts
+    assert launcher.plan.log == [("direct", 7, (16, 32))]
+
+
+def test_streams_and_pointer_sets_have_their_own_graphs(launcher):
+    for _ in range(2):
+        launcher.launch((16, 32), 7, _never)
+        launcher.launch((16, 32), 9, _never)
+        launcher.launch((48, 64), 7, _never)
+    assert launcher.captures == 3
+
+
+def test_pointers_that_never_repeat_pause_capture_then_it_resumes(launcher, monkeypatch):
+    monkeypatch.setattr(launcher_mod, "_PAUSE_CALLS", 5)
+    ptr = 0
+    while launcher.capture_enabled:  # each pointer set seen twice (captured) and never again
+        ptr += 16
+        launcher.launch((ptr, ptr), 7, _never)
+        launcher.launch((ptr, ptr), 7, _never)
+        assert ptr < 16 * 100
+    assert launcher.captures == launcher_mod.GRAPHS_PER_LAUNCHER + launcher_mod._WASTED_LIMIT
+    captures = launcher.captures
+    for _ in range(6):
+        launcher.launch((1 << 20, 1 << 20), 7, _never)
+    assert launcher.captures == captures and launcher.capture_enabled  # paused, then resumed
+    launcher.launch((1 << 20, 1 << 20), 7, _never)
+    launcher.launch((1 << 20, 1 << 20), 7, _never)
+    assert launcher.captures == captures + 1
+
+
+def test_replayed_graphs_are_not_waste(launcher):
+    for round_ in range(40):  # 9 pointer sets in rotation: one graph evicted per new set, each replayed before
+        ptrs = (16 * (round_ % 9 + 1), 0)
+        for _ in range(3):
+            launcher.launch(ptrs, 7, _never)
+    assert launcher.capture_enabled
+
+
+def test_an_engine_that_cannot_be_captured_stays_direct(launcher, monkeypatch):
+    def refuse(ptrs, stream):
+        raise GraphCaptureError(launcher.plan.spec, ("stand-in",), RuntimeError("not capturable"))
+
+    monkeypatch.setattr(launcher, "capture", refuse)
+    for _ in range(5):
+        launcher.launch((16, 32), 7, _never)
+    assert not launcher.capture_enabled
+    assert [entry[0] for entry in launcher.plan.log] == ["direct"] * 5
