@@ -266,6 +266,8 @@ def run_buffers(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *
     framework = "torch" if is_torch else _buffers.framework_of(primary)
     stream_ptr = stream_pointer(stream, framework, device)
     key_parts, ptrs, owners = _buffers.read_all(kind.roles, objs, stream_ptr)
+    if is_torch and not key_parts[-1]:  # a view at an offset cuDNN's 16-byte alignment does not allow
+        return _realigned(kind, objs, params, extra, session=session, stream=stream, stream_ptr=stream_ptr)
     try:  # the values' types ride along: a memo hit must not let 1.0 or True pass where 1 was checked
         key = (kind, key_parts, tuple(params.items()), tuple(map(type, params.values())), extra,
                tuple(map(type, extra)))
@@ -290,6 +292,38 @@ def run_buffers(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *
         return new[0]
     values = [new[i] if made else objs[i] for made, i in call.sources]
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def _realigned(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *, session, stream: Any,
+               stream_ptr: int) -> Any:
+    """torch takes views at any offset; our cuDNN graphs need 16-byte aligned pointers. Run on aligned
+    copies of the misaligned inputs and into aligned outputs copied back, in stream order."""
+    import contextlib
+
+    import torch
+
+    roles_out = set(kind.output_roles)
+    fixed, copy_back = [], []
+    # The copies go where the conv goes: the caller's stream when one was given, else torch's current one.
+    on_stream = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr))
+    with on_stream:
+        for role, obj in zip(kind.roles, objs):
+            if not isinstance(obj, torch.Tensor) or obj.data_ptr() % _buffers.ALIGNMENT == 0:
+                fixed.append(obj)
+                continue
+            aligned = torch.empty_strided(obj.shape, obj.stride(), dtype=obj.dtype, device=obj.device)
+            if role in roles_out:
+                copy_back.append((obj, aligned))
+            else:
+                aligned.copy_(obj)
+            fixed.append(aligned)
+        result = run_buffers(kind, tuple(fixed), params, extra, session=session, stream=stream_ptr)
+        for obj, aligned in copy_back:
+            obj.copy_(aligned)
+    originals = {id(aligned): obj for obj, aligned in copy_back}
+    if isinstance(result, tuple):
+        return tuple(originals.get(id(r), r) for r in result)
+    return originals.get(id(result), result)
 
 
 def _prepare(session, kind: type, objs: tuple, params: dict[str, Any], extra: tuple,

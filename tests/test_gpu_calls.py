@@ -120,9 +120,29 @@ def test_typed_errors_survive_the_memo(session):
     assert err.value.what == "device"
     flat = torch.empty(x.numel() + 1, device="cuda", dtype=torch.float16)
     shifted = flat[1:].view(2, 10, 10, 8).permute(0, 3, 1, 2)  # channels_last, 2 bytes off alignment
-    with pytest.raises(BufferMismatchError) as err:
-        cg.conv_fwd(shifted, w, padding=1, session=session)
+    spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last")
+    with pytest.raises(BufferMismatchError) as err:  # an explicit plan takes buffers as they are
+        session.plan(spec).execute(x=shifted, w=w, y=torch.empty_like(x))
     assert (err.value.role, err.value.what) == ("x", "alignment")
+
+
+def test_views_at_any_offset_work_as_in_torch(session):
+    """cuDNN graphs need 16-byte aligned pointers; the call path copies what is not, as torch accepts it."""
+    x, w = _rand(2, 8, 10, 10), _rand(8, 8, 3, 3)
+    flat = torch.empty(2 * x.numel() + 1, device="cuda", dtype=torch.float16)
+    xs = flat[1:x.numel() + 1].view(2, 10, 10, 8).permute(0, 3, 1, 2)  # channels_last, 2 bytes off alignment
+    ys = flat[x.numel() + 1:].view(2, 10, 10, 8).permute(0, 3, 1, 2)
+    for _ in range(3):
+        xs.copy_(torch.randn_like(x))
+        ys.fill_(float("nan"))
+        out = cg.conv_fwd(xs, w, y=ys, padding=1, activation="relu", session=session)
+        assert out is ys
+        assert ref.rel_err(ys, F.relu(F.conv2d(xs.double(), w.double(), padding=1))) < ref.TOLERANCE["float16"]
+    dy = _rand(2, 8, 10, 10)
+    dw = cg.conv_bwd_filter(xs, dy, w_shape=w.shape, padding=1, session=session)
+    wd = w.double().requires_grad_(True)
+    F.conv2d(xs.double(), wd, padding=1).backward(dy.double())
+    assert ref.rel_err(dw, wd.grad) < ref.TOLERANCE["float16"]
 
 
 def test_a_replayed_call_inside_the_callers_capture_records_its_kernels(session):
