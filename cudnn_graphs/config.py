@@ -126,6 +126,12 @@ def default_policy() -> str:
     return raw.strip().lower()
 
 
+def library_dirs() -> list[str]:
+    """$LD_LIBRARY_PATH's directories: searched first for libcudnn, as the cuDNN frontend does, so both
+    load the same library. Not ours to validate: the dynamic loader reads it too."""
+    return [d for d in (_raw("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
+
+
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
     return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY)}

@@ -79,6 +79,15 @@ class CudaDriverError(CudnnGraphsError, RuntimeError):
         super().__init__(detail or f"{call} failed with CUresult {status}")
 
 
+class CudnnBackendError(CudnnGraphsError, RuntimeError):
+    """A cuDNN backend call failed; carries the call's name, its cudnnStatus_t and cuDNN's message."""
+
+    def __init__(self, call: str, status: int, detail: str = ""):
+        self.call = call
+        self.status = status
+        super().__init__(f"{call} failed with cudnnStatus {status}" + (f": {detail}" if detail else ""))
+
+
 class GraphCaptureError(CudnnGraphsError):
     """A plan could not be recorded into a CUDA graph; it still runs through `launch()`."""
 

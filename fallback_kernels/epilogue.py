@@ -74,7 +74,7 @@ class KernelPart:
     deterministic: bool = True  # elementwise, or one block per channel with a fixed reduction order
 
     def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
-               handle: Any) -> Any:
+               handles: Any) -> Any:
         """`run(ptrs)` launching the kernel on `stream_ptr`, `ptrs[slots[role]]` being a role's pointer
         in this call and `fixed` holding the rest (scratch). Arguments are packed once, here."""
         values, patch = [], []

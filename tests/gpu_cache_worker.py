@@ -44,8 +44,16 @@ def main() -> int:
         if errors[-1] >= ref.TOLERANCE[spec.dtype]:
             print(f"mismatch {spec.op} {spec.dtype}: {errors[-1]} engines {plan.engines}", file=sys.stderr)
     print(json.dumps({"stats": session.stats(), "errors": errors,
-                      "fused": [session.plan(s).fused for s in SPECS]}))
+                      "fused": [session.plan(s).fused for s in SPECS],
+                      "loaded_by": [[_loaded_by(p) for p in session.plan(s).parts] for s in SPECS],
+                      "frontend_imported": "cudnn" in sys.modules}))
     return 0 if all(e < ref.TOLERANCE[s.dtype] for e, s in zip(errors, SPECS)) else 1
+
+
+def _loaded_by(part) -> str:
+    if not hasattr(part, "backend"):
+        return "kernel"
+    return "backend" if part.backend is not None else "frontend"
 
 
 if __name__ == "__main__":

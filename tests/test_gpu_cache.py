@@ -51,6 +51,38 @@ def test_fresh_process_loads_everything_with_zero_builds(warm_cache):
     stats = second["stats"]
     assert stats["builds"] == 0 and stats["rebuilds_from_knobs"] == 0
     assert stats["disk_hits"] == len(worker.SPECS)
+    assert "frontend" not in sum(second["loaded_by"], []), second["loaded_by"]
+    assert not second["frontend_imported"], "a warm process imported the cuDNN frontend"
+
+
+def test_backend_and_frontend_loads_compute_the_same_bits(warm_cache, monkeypatch):
+    """The backend's plan from the stored JSON and the frontend's deserialized graph run one engine."""
+    import torch
+
+    from cudnn_graphs.plan import session as session_module
+
+    from . import gpu_reference as ref
+
+    root, _ = warm_cache
+    for spec in worker.SPECS:
+        outputs = {"conv_fwd": ("y",), "conv_bwd_data": ("dx",), "conv_bwd_filter": ("dw", "db")}[spec.op]
+        inputs = {r: ref.random(d) for r, d in spec.tensors().items() if r not in outputs}
+        results = []
+        for backend in (True, False):
+            monkeypatch.setattr(session_module, "_BACKEND_LOADS", backend)
+            session = _session(root)
+            plan = session.plan(spec)
+            assert session.stats()["disk_hits"] == 1
+            cudnn_parts = [p for p in plan.parts if hasattr(p, "backend")]
+            assert cudnn_parts and all((p.backend is not None) == backend for p in cudnn_parts)
+            outs = {r: ref.poisoned(d) for r, d in spec.tensors().items() if r in outputs}
+            plan.execute(**inputs, **outs)
+            torch.cuda.synchronize()
+            results.append(outs)
+        for role in outputs:  # a nondeterministic engine (split-K wgrad, say) may differ in the last bits
+            same = torch.equal(results[0][role], results[1][role]) if plan.deterministic else \
+                ref.rel_err(results[0][role], results[1][role].double()) < ref.TOLERANCE[spec.dtype]
+            assert same, f"{spec.op} {role} differs between the backend and the frontend load"
 
 
 def _session(root):

@@ -208,12 +208,13 @@ torch.nn.functional.conv2d(xd, wd, padding=1).backward(dy.double())
 err = max(float((dw.double() - wd.grad).norm() / wd.grad.norm()),
           float((db.double() - dy.double().sum((0, 2, 3))).norm() / dy.double().sum((0, 2, 3)).norm()))
 stats = cg.default_session(0).counters()
-print(err, stats["disk_hits"], stats["builds"], sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends")))
+print(err, stats["disk_hits"], stats["builds"], sorted(m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_backends", "cudnn")))
 """
 
 
-def test_a_warm_torch_process_loads_kernel_parts_without_cupy_or_nvrtc(tmp_path):
-    """wgrad + bias gradient is a cuDNN part and our kernel: its cubin comes from the record."""
+def test_a_warm_torch_process_loads_kernel_parts_without_cupy_nvrtc_or_the_frontend(tmp_path):
+    """wgrad + bias gradient is a cuDNN part and our kernel: its cubin comes from the record, and
+    the cuDNN part loads through the backend from its serialized JSON (no `import cudnn`)."""
     import os
     import subprocess
     import sys

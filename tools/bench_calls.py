@@ -253,11 +253,17 @@ def warm_child(mode: str, cache: str) -> dict:
     torch.cuda.synchronize()
     marks = {}
     t0 = time.perf_counter()
-    if mode == "ours":
+    if mode in ("ours", "ours_prefetch"):
         os.environ["CUDNN_GRAPHS_CACHE_DIR"] = cache
         import cudnn_graphs as cg
 
         marks["import"] = time.perf_counter() - t0
+        session = cg.default_session(0)
+        marks["session"] = time.perf_counter() - t0
+        if mode == "ours_prefetch":  # the spec file record mode wrote in the cold run (warmup reads it too)
+            session.prefetch(os.path.join(cache, "specs.jsonl"))
+        session.handles.raw()
+        marks["handle"] = time.perf_counter() - t0
         y = cg.conv_fwd(x, w, b, padding=1, activation="gelu")
         marks["fwd"] = time.perf_counter() - t0
         dx = cg.conv_bwd_data(dy, w, pre_act=x, padding=1, activation_backward="relu")
@@ -283,22 +289,29 @@ def warm_start(*, rounds: int) -> dict:
     cache = tempfile.mkdtemp(prefix="cg-bench-")
     # Bytecode in a private prefix, written by the first children: an installed package has its .pyc files,
     # and a checkout copied to the GPU host (or a read-only site-packages) otherwise compiles every import.
+    # PYTHONDONTWRITEBYTECODE (set on some hosts) would make every child compile its imports again.
     env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(cache, "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
 
     def child(mode: str) -> dict:
         r = subprocess.run([sys.executable, __file__, "--warm-child", mode, cache], check=True, capture_output=True,
                            text=True, env=env)
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    child("ours")  # fills the plan cache (cold)
+    # Fill the plan cache (cold), recording the specs a job would hand to `warmup` and `prefetch`.
+    env["CUDNN_GRAPHS_RECORD"] = os.path.join(cache, "specs.jsonl")
+    child("ours")
+    del env["CUDNN_GRAPHS_RECORD"]
     child("torch_benchmark")  # fills the driver's JIT cache for torch: what follows is its second process
-    runs = {"ours": [], "torch_no_benchmark": [], "torch_benchmark": []}
+    runs = {"ours": [], "ours_prefetch": [], "torch_no_benchmark": [], "torch_benchmark": []}
     for _ in range(rounds):
         for mode in runs:
             runs[mode].append(child(mode))
     out = {mode: statistics.median(r["total_ms"] for r in rs) for mode, rs in runs.items()}
     out["ours_runs"] = runs["ours"]
-    print(f"warm start to the end of fwd+dgrad+wgrad: ours {out['ours']:.1f} ms, torch benchmark=False "
+    out["ours_prefetch_runs"] = runs["ours_prefetch"]
+    print(f"warm start to the end of fwd+dgrad+wgrad: ours {out['ours']:.1f} ms (with prefetch "
+          f"{out['ours_prefetch']:.1f} ms), torch benchmark=False "
           f"{out['torch_no_benchmark']:.1f} ms, torch benchmark=True (2nd process) {out['torch_benchmark']:.1f} ms; "
           f"ours stats {runs['ours'][-1]['stats']}", flush=True)
     return out
@@ -312,6 +325,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--skip-entry", action="store_true")
     p.add_argument("--warm-child", nargs=2, metavar=("MODE", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warm_child:
@@ -324,7 +338,8 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if not args.skip_warm:
         result["warm_start_ms"] = warm_start(rounds=args.rounds)
-    result["entry_points"] = entry_points(rounds=args.rounds, calls=args.calls)
+    if not args.skip_entry:
+        result["entry_points"] = entry_points(rounds=args.rounds, calls=args.calls)
     if not args.skip_step:
         result["resnet50_step_ms"] = resnet50_step(batch=args.batch, rounds=max(args.rounds, 10))
     import cudnn_graphs as cg

@@ -139,6 +139,7 @@ def _torch_step(layers, bufs, torch) -> None:
 def run_child(mode: str, cache: Path, args, framework: str = "cupy") -> dict:
     env = dict(os.environ, CUDNN_GRAPHS_CACHE_DIR=str(cache), PYTHONPYCACHEPREFIX=str(args.pycache_dir),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # an installed package has its bytecode: let children reuse theirs
     if args.jit_cache == "off":
         env["CUDA_CACHE_DISABLE"] = "1"
     else:

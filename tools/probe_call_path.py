@@ -5,8 +5,9 @@
 
 A: host us per call of each primitive with the GPU held busy by a sleep kernel (torch imported).
 B: a fresh torch process with a warm cache, timed step by step to the end of its first fwd (conv +
-bias + gelu), dgrad (relu') and wgrad (bias grad), 16x128x28x28 3x3 fp16 NHWC; MODE "fe" loads plans
-with the frontend's deserialize as is, "nowarm" with its warm-up capture skipped.
+bias + gelu), dgrad (relu') and wgrad (bias grad), 16x128x28x28 3x3 fp16 NHWC; MODE "backend" loads
+plans as the library does (cuDNN's JSON through the backend, no frontend import), "fe" through the
+frontend's deserialize; one more child runs under cProfile, one with -X importtime.
 """
 
 from __future__ import annotations
@@ -114,39 +115,55 @@ def warm_child(cache: str, mode: str) -> dict:
     dy = torch.randn_like(x)
     torch.cuda.synchronize()
     mark("torch_ready")
-    import cudnn  # noqa: F401
-    mark("import_cudnn")
-    import cudnn_graphs as cg
-    mark("import_cudnn_graphs")
-    from cudnn_graphs.graph import frontend
-    if mode == "nowarm":
-        _skip_frontend_warmup(frontend)
-    session = cg.Session(cache=cache)
-    mark("Session()")
-    session.handle
-    mark("handle")
-    common = dict(padding=1, dtype="float16", layout="channels_last")
-    specs = {"fwd": cg.ConvFwdSpec(x.shape, w.shape, bias=True, activation="gelu", **common),
-             "dgrad": cg.ConvBwdDataSpec(x.shape, w.shape, x.shape, activation_backward="relu", **common),
-             "wgrad": cg.ConvBwdFilterSpec(x.shape, x.shape, w.shape, bias_grad=True, **common)}
-    plans = {}
+    if mode == "torch":  # torch's own first calls, benchmark=False, one op at a time
+        import torch.nn.functional as F
+
+        bwd = torch.ops.aten.convolution_backward
+        F.gelu(F.conv2d(x, w, b, padding=1))
+        torch.cuda.synchronize()
+        mark("torch_fwd")
+        bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False])
+        torch.cuda.synchronize()
+        mark("torch_dgrad")
+        bwd(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, True])
+        torch.cuda.synchronize()
+        mark("torch_wgrad")
+        return marks
+    if mode == "preload":  # which engine library the loads wait for: dlopen each first, timed
+        import ctypes
+        import glob
+        import os
+        import sysconfig
+
+        lib_dir = os.path.join(sysconfig.get_path("purelib"), "nvidia", "cudnn", "lib")
+        for path in sorted(glob.glob(os.path.join(lib_dir, "libcudnn*.so.9"))):
+            ctypes.CDLL(path)
+            mark("dlopen_" + os.path.basename(path).split(".")[0])
     profiler = None
     if mode == "profile":
         import cProfile
 
         profiler = cProfile.Profile()
         profiler.enable()
+    if mode == "fe":
+        import cudnn  # noqa: F401
+        mark("import_cudnn")
+    import cudnn_graphs as cg
+    mark("import_cudnn_graphs")
+    from cudnn_graphs.plan import session as session_module
+    session_module._BACKEND_LOADS = mode != "fe"
+    session = cg.Session(cache=cache)
+    mark("Session()")
+    session.handles.raw()
+    mark("handle")
+    common = dict(padding=1, dtype="float16", layout="channels_last")
+    specs = {"fwd": cg.ConvFwdSpec(x.shape, w.shape, bias=True, activation="gelu", **common),
+             "dgrad": cg.ConvBwdDataSpec(x.shape, w.shape, x.shape, activation_backward="relu", **common),
+             "wgrad": cg.ConvBwdFilterSpec(x.shape, x.shape, w.shape, bias_grad=True, **common)}
+    plans = {}
     for k, spec in specs.items():
         plans[k] = session.plan(spec)
         mark(f"load_{k}")
-    if profiler is not None:
-        import io
-        import pstats
-
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
-        print(text.getvalue(), file=sys.stderr)
     y = torch.empty_like(x)
     plans["fwd"].execute(x=x, w=w, bias=b, y=y)
     mark("exec_fwd")
@@ -156,31 +173,58 @@ def warm_child(cache: str, mode: str) -> dict:
     mark("exec_wgrad")
     torch.cuda.synchronize()
     mark("sync")
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+        print(text.getvalue(), file=sys.stderr)
+    if mode == "backend":  # each stored plan finalized again in this process: one-time costs drop out
+        from cudnn_graphs.execute import cudnn_backend
+
+        for k, plan in plans.items():
+            for part in plan.parts:
+                marks.setdefault("parts", []).append({"plan": k, "engine": part.engine,
+                                                      "notes": list(part.behavior_notes),
+                                                      "blob": len(getattr(part, "serialized", None) or b"")})
+                if getattr(part, "backend", None) is not None:
+                    mark("-")
+                    from cudnn_graphs.graph import serialized
+
+                    cudnn_backend.ExecutionPlan(session.handles.raw(), serialized.backend_plan(part.serialized).plan_json)
+                    mark(f"again_{k}_{part.name}")
     marks["stats"] = session.stats()
     marks["modules"] = sorted(m for m in ("cupy", "cudnn", "numpy", "msgpack") if m in sys.modules)
     return marks
 
 
-def _skip_frontend_warmup(frontend) -> None:
-    """deserialize() with the handle's stream under a throw-away capture: FE's warm-up sees a capture
-    and returns before its cudaMalloc/capture/cudaFree (cudaFree synchronises the device)."""
-    from cudnn_graphs.execute import driver
+def child_env(cache: str) -> dict:
+    """Children write and reuse bytecode, as an installed package has it (see bench_calls.warm_start)."""
+    import os
 
-    original = frontend.deserialize
-    side = driver.new_stream()
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(cache, "pycache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
 
-    def deserialize(blob, *, handle):
-        fe = frontend.cudnn()
-        fe.set_stream(handle=handle, stream=side)
-        driver.begin_capture(side)
-        try:
-            return original(blob, handle=handle)
-        finally:
-            g = driver.end_capture(side)
-            driver.lib().cuGraphDestroy(g)
-            fe.set_stream(handle=handle, stream=0)
 
-    frontend.deserialize = deserialize
+def importtime(cache: str) -> list[tuple[int, int, str]]:
+    """(cumulative us, self us, name) of every module `import cudnn_graphs` loaded in a warm child,
+    from -X importtime (torch already imported, as in a user's process)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", __file__, "--warm-child", cache, "backend"],
+                       capture_output=True, text=True, check=True, env=child_env(cache))
+    rows = []
+    for line in r.stderr.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]), int(parts[0].split(":")[1]), parts[2].rstrip()))
+    top = next(i for i, row in enumerate(rows) if row[2].strip() == "cudnn_graphs")
+    indent = len(rows[top][2]) - len(rows[top][2].lstrip())
+    start = top
+    while start > 0 and len(rows[start - 1][2]) - len(rows[start - 1][2].lstrip()) > indent:
+        start -= 1
+    return rows[start:top + 1]
 
 
 def main(argv=None) -> int:
@@ -188,7 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--warm-child", nargs=2)
     p.add_argument("--skip-a", action="store_true")
-    p.add_argument("--modes", nargs="*", help="warm-start modes to time (fe, nowarm, profile)")
+    p.add_argument("--modes", nargs="*", help="warm-start modes to time (backend, fe)")
     args = p.parse_args(argv)
     if args.warm_child:
         print(json.dumps(warm_child(*args.warm_child)))
@@ -198,21 +242,27 @@ def main(argv=None) -> int:
     cache = tempfile.mkdtemp()
     out = {}
     # fill the cache (cold) in a child, then time fresh warm children of each mode, interleaved
-    subprocess.run([sys.executable, __file__, "--warm-child", cache, "fe"], check=True, capture_output=True)
-    runs = {"fe": [], "nowarm": []} if not args.modes else {m: [] for m in args.modes}
+    subprocess.run([sys.executable, __file__, "--warm-child", cache, "backend"], check=True, capture_output=True,
+                   env=child_env(cache))
+    runs = {"backend": [], "fe": [], "torch": []} if not args.modes else {m: [] for m in args.modes}
     for _ in range(3):
         for mode in runs:
             r = subprocess.run([sys.executable, __file__, "--warm-child", cache, mode], check=True,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env=child_env(cache))
             runs[mode].append(json.loads(r.stdout.strip().splitlines()[-1]))
     out["warm"] = runs
     for mode, rs in runs.items():
         keys = [k for k, v in rs[0].items() if isinstance(v, float)]
-        print(mode, {k: round(statistics.median(r[k] for r in rs), 1) for k in keys}, rs[0]["modules"])
-    if "profile" in runs:
-        r = subprocess.run([sys.executable, __file__, "--warm-child", cache, "profile"], capture_output=True,
-                           text=True, check=True)
-        print(r.stderr[-6000:])
+        print(mode, {k: round(statistics.median(r[k] for r in rs), 1) for k in keys}, rs[0].get("modules"))
+        if "parts" in rs[0]:
+            print(rs[0]["parts"])
+    out["importtime"] = importtime(cache)
+    for cumulative, own, name in out["importtime"]:
+        if cumulative >= 1000 or own >= 500:
+            print(f"{cumulative / 1e3:8.1f} ms {own / 1e3:6.1f} ms {name}")
+    r = subprocess.run([sys.executable, __file__, "--warm-child", cache, "profile"], capture_output=True, text=True,
+                       check=True, env=child_env(cache))
+    print(r.stderr[-12000:])
     if not args.skip_a:
         out["host_us"] = part_a(cache)
     if args.out:

@@ -65,6 +65,8 @@ def _part_meta(part) -> dict[str, Any]:
 
 
 def _serialize(part) -> bytes | None:
+    if part.graph is None:  # loaded through the backend: the blob it came from
+        return part.serialized
     try:
         return bytes(part.graph.serialize())  # FE returns a list of ints
     except Exception as err:  # some engines cannot serialize: the record keeps engine id + knobs

@@ -45,15 +45,20 @@ def new_graph(*, io_dtype: str, compute_dtype: str, handle: Any = None, name: st
     )
 
 
-def create_handle(device: int) -> Any:
-    """A cuDNN handle on `device` (which the caller made current). FE >= 1.28's `create_handle()`
-    asks cuda-python for the current device and so imports it (~70 ms on an H100 host): we know the
-    device, so we wrap the backend handle ourselves, as the frontend documents for foreign handles."""
+def wrap_handle(raw: int, device: int, stream: int | None) -> Any:
+    """The frontend's handle object for a backend cudnnHandle_t made elsewhere (FE >= 1.28 wants a
+    `cudnn.Handle`, as it documents for foreign handles; older ones take the int itself)."""
     fe = cudnn()
-    raw_create = getattr(getattr(fe, "_pybind_module", None), "create_handle", None)
-    if not hasattr(fe, "Handle") or raw_create is None:
-        return fe.create_handle()  # FE <= 1.27: a pybind handle, no device lookup
-    return fe.Handle(raw_create(), device, 0)  # a new handle runs on the legacy stream
+    if not hasattr(fe, "Handle"):
+        return raw
+    return fe.Handle(raw, device, 0 if stream is None else stream)  # a new handle runs on the legacy stream
+
+
+def note_stream(handle: Any, stream: int) -> None:
+    """Tell the frontend's handle object which stream the backend handle now runs on (its Python
+    engines read it there)."""
+    if hasattr(handle, "stream"):
+        handle.stream = stream
 
 
 def version() -> str:

@@ -39,8 +39,7 @@ class _Prepared:
         _, scratch = plan._scratch_for(stream if scratch_of is None else scratch_of, framework)
         workspace_ptr = scratch["workspace"] if workspace_ptr is None else workspace_ptr
         self.handles, self.stream = plan.handles, stream
-        handle = plan.handles.current()
-        self.runs = [part.runner(slots, scratch, workspace_ptr, stream, handle) for part in plan.parts]
+        self.runs = [part.runner(slots, scratch, workspace_ptr, stream, plan.handles) for part in plan.parts]
 
     def __call__(self, ptrs: Sequence[int]) -> None:
         self.handles.on_stream(self.stream)

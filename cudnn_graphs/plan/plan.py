@@ -46,6 +46,11 @@ class PlannedPart:
     tuning: dict | None = None  # autotune's timing table for this part, when it was autotuned
     notes: Any = UNPROBED  # numerical notes: a tuple, None (unknowable), or UNPROBED until first asked
     notes_source: Any = field(default=None, repr=False, compare=False)  # () -> notes; costs heuristics queries
+    # Loaded from a record without the frontend: the backend's plan (graph is None), the uids of its
+    # variant pack in the order it is passed, and the stored blob (a rewritten record keeps it).
+    backend: Any = field(default=None, repr=False)
+    backend_uids: tuple[int, ...] = ()
+    serialized: bytes | None = field(default=None, repr=False)
 
     @property
     def numerical_notes(self) -> tuple[str, ...] | None:
@@ -68,15 +73,22 @@ class PlannedPart:
         return pack
 
     def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
-               handle: Any) -> Callable[[Sequence[int]], None]:
+               handles: Any) -> Callable[[Sequence[int]], None]:
         """`run(ptrs)` executing this part, where `ptrs[slots[role]]` is a role's pointer in this call
-        and `fixed` holds the rest (scratch). The handle's stream is the caller's to set."""
+        and `fixed` holds the rest (scratch). `handles` is the session's HandlePool; the handle's
+        stream is the caller's to set."""
         roles = {role: (slots[role] if role in slots else None) for role in self.roles}
         missing = [role for role, slot in roles.items() if slot is None and role not in fixed]
         if missing:
             raise ValueError(f"no pointer for roles {missing} of {self.name}")
         template = self.prepare({role: fixed.get(role, 0) for role in self.roles})
         patch = [(ROLE_UIDS[role], slot) for role, slot in roles.items() if slot is not None]
+        if self.backend is not None:
+            position = {uid: i for i, uid in enumerate(self.backend_uids)}
+            return self.backend.runner(self.backend_uids, [template[uid] for uid in self.backend_uids],
+                                       [(position[uid], slot) for uid, slot in patch if uid in position],
+                                       workspace_ptr, handles.raw())
+        handle = handles.current()
         fast = _backend_entry(self.graph, self.index, handle)
         if fast is not None:
             execute, cpp_index, backend_handle = fast

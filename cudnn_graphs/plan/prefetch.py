@@ -9,17 +9,24 @@ from typing import Any, Iterable
 log = logging.getLogger("cudnn_graphs")
 
 
+WORKERS = 4  # cuDNN finalizes plans with the GIL released: a slow engine's first load need not hold up the rest
+
+
 class Prefetch:
     """A running (or finished) prefetch: `wait()` returns its counts, `done()` says whether it ended.
 
     Counts: `loaded` (now in memory), `in_memory` (were already), `missing` (no record on disk: the
     first call builds it), `failed` (bad spec lines, records that did not load: the first call
-    rebuilds). A prefetch never raises into the caller's thread and never builds a plan.
+    rebuilds). A prefetch never raises into the caller's thread and never builds a plan. Up to
+    `workers` threads load at once, each on its own cuDNN handle; a call that needs a plan being
+    loaded waits for that one load, not for the whole prefetch.
     """
 
-    def __init__(self, session, specs: Iterable[Any], *, background: bool):
+    def __init__(self, session, specs: Iterable[Any], *, background: bool, workers: int = WORKERS):
         self.counts = {"loaded": 0, "in_memory": 0, "missing": 0, "failed": 0}
-        self._session, self._specs = session, specs
+        self._session, self._specs = session, iter(specs)
+        self._lock = threading.Lock()  # guards the spec iterator (a file being read) and the counts
+        self._workers = max(1, int(workers))
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._run, name="cudnn-graphs-prefetch", daemon=True)
@@ -28,13 +35,32 @@ class Prefetch:
             self._run()
 
     def _run(self) -> None:
-        try:
-            for spec in self._specs:
+        helpers = [threading.Thread(target=self._drain, name=f"cudnn-graphs-prefetch-{i}", daemon=True)
+                   for i in range(1, self._workers)]
+        for helper in helpers:
+            helper.start()
+        self._drain()
+        for helper in helpers:
+            helper.join()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                try:
+                    spec = next(self._specs)
+                except StopIteration:
+                    return
+                except Exception as err:  # e.g. an unreadable spec file: the first calls plan as usual
+                    log.warning("prefetch stopped: %s", err)
+                    self.counts["failed"] += 1
+                    return
+            try:
                 outcome = "failed" if spec is None else self._session._prefetch_one(spec)
+            except Exception as err:  # one bad record or spec: the others still load
+                log.warning("prefetch: %s", err)
+                outcome = "failed"
+            with self._lock:
                 self.counts[outcome] += 1
-        except Exception as err:  # e.g. an unreadable spec file: the first calls plan as usual
-            log.warning("prefetch stopped: %s", err)
-            self.counts["failed"] += 1
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -42,7 +68,8 @@ class Prefetch:
     def wait(self, timeout: float | None = None) -> dict[str, int]:
         if self._thread is not None:
             self._thread.join(timeout)
-        return dict(self.counts)
+        with self._lock:
+            return dict(self.counts)
 
 
 def specs_of(source: Any) -> Iterable[Any]:

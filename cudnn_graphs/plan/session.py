@@ -14,12 +14,11 @@ import numpy as np
 from .. import config
 from ..cache import keep_stored, load_plan, open_store, plan_to_record, rank
 from ..environment import environment
-from ..execute import driver
-from ..errors import UnsupportedGraphError
-from ..graph import build_graph, frontend
+from ..execute import cudnn_backend, driver
+from ..errors import CudnnBackendError, UnsupportedGraphError
+from ..graph import ROLE_UIDS, build_graph, frontend, serialized
 from ..signature import signature
 from ..spec import dtypes
-from . import autotune, notes
 from .plan import UNPROBED, Plan, PlannedPart
 
 if TYPE_CHECKING:
@@ -31,33 +30,49 @@ log = logging.getLogger("cudnn_graphs")
 _COUNTERS = ("memory_hits", "disk_hits", "builds", "autotuned", "timings", "rebuilds_from_knobs",
              "rebuilds_from_heuristics", "disk_writes", "build_ms", "load_ms")
 POLICIES = config.POLICIES
+_BACKEND_LOADS = True  # stored plans load through the backend where they can (tests turn it off)
 AUTOTUNE_INPUTS = ("scratch", "request")
 
 
 class HandlePool:
-    """One cuDNN handle per thread for one device: a handle must not be driven from two threads."""
+    """One cuDNN handle per thread for one device: a handle must not be driven from two threads.
+
+    The handle is created through the backend (`raw()`); the frontend's wrapper around it
+    (`current()`) is made only where a graph is built, so a warm process never imports the frontend.
+    """
 
     def __init__(self, device: int):
         self.device = device
         self._local = threading.local()
 
-    def current(self) -> Any:
-        handle = getattr(self._local, "handle", None)
+    def raw(self) -> int:
+        """This thread's cudnnHandle_t."""
+        local = self._local
+        handle = getattr(local, "raw", None)
         if handle is None:
             with driver.device(self.device):  # a handle belongs to the device current at creation
-                handle = self._local.handle = frontend.create_handle(self.device)
-            self._local.stream = None
+                handle = local.raw = cudnn_backend.create_handle()
+            local.stream, local.wrapped = None, None
         return handle
 
-    def on_stream(self, stream_ptr: int) -> Any:
-        """This thread's handle, set to `stream_ptr` unless it already is (older frontends charge
-        ~2.5 us for a set_stream even when nothing changes)."""
+    def current(self) -> Any:
+        """This thread's handle as the frontend takes it."""
+        raw = self.raw()
         local = self._local
-        handle = getattr(local, "handle", None) or self.current()
+        if local.wrapped is None:
+            local.wrapped = frontend.wrap_handle(raw, self.device, local.stream)
+        return local.wrapped
+
+    def on_stream(self, stream_ptr: int) -> int:
+        """This thread's raw handle, set to `stream_ptr` unless it already is."""
+        local = self._local
+        raw = getattr(local, "raw", None) or self.raw()
         if local.stream != stream_ptr:
-            frontend.cudnn().set_stream(handle, stream_ptr)
+            cudnn_backend.set_stream(raw, stream_ptr)
             local.stream = stream_ptr
-        return handle
+            if local.wrapped is not None:
+                frontend.note_stream(local.wrapped, stream_ptr)
+        return raw
 
 
 class Session:
@@ -97,7 +112,9 @@ class Session:
         self._memory: OrderedDict[Any, Plan] = OrderedDict()  # LRU by spec: equal specs have equal signatures
         self._memory_size = config.memory_cache_size()
         self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the memory LRU, the lock table and the counters
+        self._spec_locks: dict[Any, threading.Lock] = {}
+        self._build_lock = threading.Lock()
         self._calls: dict = {}  # requests' memo: buffer geometry + params -> prepared call (requests.py)
 
     @property
@@ -127,40 +144,56 @@ class Session:
         """
         plan = self._memory.get(spec)
         if plan is not None:
-            self._counts["memory_hits"] += 1
+            self._count("memory_hits")
             try:
                 self._memory.move_to_end(spec)
             except KeyError:  # evicted by another thread since the get: the plan is still good
                 pass
             return plan
-        with self._lock:  # one build per spec even when threads race for it
+        with self._spec_lock(spec):  # one load or build per spec; other specs load meanwhile
             plan = self._memory.get(spec) or self._load_or_build(spec, buffers)
             self._remember(spec, plan)
         return plan
 
-    def _remember(self, spec, plan: Plan) -> None:
-        if self._memory_size == 0:
-            return
-        self._memory[spec] = plan
-        while len(self._memory) > self._memory_size:
-            self._memory.popitem(last=False)
+    def _spec_lock(self, spec) -> threading.Lock:
+        lock = self._spec_locks.get(spec)
+        if lock is None:
+            with self._lock:
+                lock = self._spec_locks.setdefault(spec, threading.Lock())
+        return lock
 
-    def prefetch(self, specs: Any, *, background: bool = True) -> "Prefetch":
+    def _remember(self, spec, plan: Plan) -> None:
+        with self._lock:
+            self._spec_locks.pop(spec, None)  # later callers find the plan in memory (or plan it anew)
+            if self._memory_size == 0:
+                return
+            self._memory[spec] = plan
+            while len(self._memory) > self._memory_size:
+                self._memory.popitem(last=False)
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        with self._lock:  # loads run on several threads (prefetch): no lost updates
+            self._counts[name] += amount
+
+    def prefetch(self, specs: Any, *, background: bool = True, workers: int = 4) -> "Prefetch":
         """Load into memory every plan the on-disk cache holds for `specs` (a spec file's path, as
         `cudnn-graphs warmup` reads, or an iterable of specs) ahead of the first calls; builds nothing.
 
         With `background=True` (default) it runs on its own thread and returns at once: start it early
         (before building the model, say) and the first step finds its plans in memory. `wait()` on
-        the result returns counts of loaded / in_memory / missing / failed.
+        the result returns counts of loaded / in_memory / missing / failed. Up to `workers` threads
+        load at once; a call whose plan is being loaded waits for that load alone.
         """
         from .prefetch import Prefetch, specs_of
 
-        return Prefetch(self, specs_of(specs), background=background)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers={workers!r}: expected an int >= 1")
+        return Prefetch(self, specs_of(specs), background=background, workers=workers)
 
     def _prefetch_one(self, spec) -> str:
         if spec in self._memory:
             return "in_memory"
-        with self._lock:
+        with self._spec_lock(spec):
             if spec in self._memory:
                 return "in_memory"
             key = self.signature(spec)
@@ -181,9 +214,10 @@ class Session:
         plan = self._load_stored(spec, key)
         if plan is not None:
             return plan
-        plan = self._build(spec, key, buffers)
-        self._counts["autotuned" if plan.chosen_by == "autotune" else "builds"] += 1
-        self._counts["build_ms"] += plan.build_ms
+        with self._build_lock:  # builds one at a time: autotune timings must not share the GPU
+            plan = self._build(spec, key, buffers)
+        self._count("autotuned" if plan.chosen_by == "autotune" else "builds")
+        self._count("build_ms", plan.build_ms)
         self._store(plan)
         return plan
 
@@ -196,11 +230,11 @@ class Session:
             return None
         start = time.perf_counter()
         outcome = load_plan(record, spec=spec, session=self)
-        self._counts["load_ms"] += (time.perf_counter() - start) * 1e3
+        self._count("load_ms", (time.perf_counter() - start) * 1e3)
         if outcome is None:
-            self._counts["rebuilds_from_heuristics"] += 1
+            self._count("rebuilds_from_heuristics")
             return None
-        self._counts["disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs"] += 1
+        self._count("disk_hits" if outcome.path == "disk" else "rebuilds_from_knobs")
         if outcome.rewrite:
             self._store(outcome.plan)
         return outcome.plan
@@ -211,7 +245,7 @@ class Session:
         record = plan_to_record(plan, env=self.env)
         # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
         if self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
-            self._counts["disk_writes"] += 1
+            self._count("disk_writes")
 
     def counters(self) -> dict[str, Any]:
         """This session's counters alone (memory/disk hits, builds, autotunes, timings, ...): no disk access."""
@@ -265,26 +299,54 @@ class Session:
             compiled = (cubin, function) if isinstance(cubin, bytes) and isinstance(function, str) else None
             return _kernel_part(spec, entry["name"], intermediates, self.device, compiled), "disk"
         blob = blobs[entry["blob_index"]]
+        scalars = _scalar_arrays(spec, {int(uid): v for uid, v in entry["scalars"]})
         graph, index, how = None, 0, "disk"
-        if blob is not None:
+        backend = self._backend_plan(blob, entry, scalars) if blob is not None else None
+        if blob is not None and backend is None:
             try:
                 graph = frontend.deserialize(blob, handle=self.handle)
             except Exception as err:  # other cuDNN, other GPU, or a damaged blob that passed the checksum
                 log.warning("%s: stored plan did not load (%s); rebuilding from engine id + knobs", entry["engine"], err)
-        if graph is None:
+        if graph is None and backend is None:
             graph, index, how = *self._rebuild_from_knobs(spec, meta, i, entry), "knobs"
         rank, modes = entry.get("heuristic_index"), tuple(entry.get("heuristic_modes", ("A", "FALLBACK")))
         part = PlannedPart(
             name=entry["name"], graph=graph, roles=tuple(entry["roles"]), index=index, engine=entry["engine"],
             engine_id=int(entry["engine_id"]), knobs=dict(entry["knobs"]),
             behavior_notes=tuple(entry["behavior_notes"]), workspace_size=int(entry["workspace_size"]),
-            scalars=_scalar_arrays(spec, {int(uid): v for uid, v in entry["scalars"]}),
-            nondeterministic_excluded=bool(entry["nondeterministic_excluded"]), heuristic_index=rank,
+            scalars=scalars, nondeterministic_excluded=bool(entry["nondeterministic_excluded"]), heuristic_index=rank,
             heuristic_modes=modes, tuning=entry.get("tuning"), notes=_stored_notes(entry),
             notes_source=None if rank is None else self._notes_source(spec, bool(meta["fused"]), meta.get("acc_dtype"),
                                                                        i, rank, entry["engine"], modes),
+            backend=None if backend is None else backend[0], backend_uids=() if backend is None else backend[1],
+            serialized=blob if backend is not None else None,
         )
         return part, how
+
+    def _backend_plan(self, blob: bytes, entry: dict, scalars: dict) -> tuple[Any, tuple[int, ...]] | None:
+        """(the backend's plan, its variant-pack uids) for a stored blob the backend runs by itself,
+        or None: the frontend deserializes it instead (and reports what is wrong with it)."""
+        if not _BACKEND_LOADS:
+            return None
+        try:
+            found = serialized.backend_plan(blob)
+        except serialized.UBJSONError as err:
+            log.info("%s: stored plan not readable without the frontend (%s)", entry["engine"], err)
+            return None
+        known = {ROLE_UIDS[role] for role in entry["roles"] if role in ROLE_UIDS} | set(scalars)
+        if found is None or not found.scalar_uids <= set(scalars) or not found.uids <= known:
+            return None
+        uids = tuple(sorted(found.uids | found.scalar_uids))
+        try:
+            with driver.device(self.device):
+                plan = cudnn_backend.ExecutionPlan(self.handles.raw(), found.plan_json)
+        except CudnnBackendError as err:  # e.g. an engine this cuDNN lacks: the frontend path reports it
+            log.info("%s: the backend declined the stored plan (%s)", entry["engine"], err)
+            return None
+        if plan.workspace_size > int(entry["workspace_size"]):  # scratch is sized from the record
+            plan.close()
+            return None
+        return plan, uids
 
     def _rebuild_from_knobs(self, spec, meta: dict, i: int, entry: dict) -> tuple[Any, int]:
         """Part `i` rebuilt with exactly the stored engine and knobs: no heuristics query."""
@@ -352,10 +414,11 @@ class Session:
         """Time every candidate of part `i` (see `autotune`) on random scratch buffers or the caller's."""
         import cupy
 
+        from . import autotune
+
         part, owners, ws = build.parts[i], [], [None]
         descs = {**build.spec.tensors(), **build.intermediates}
         stream_ptr = cupy.cuda.get_current_stream().ptr
-        handle = self.handle
 
         def make_buffers():
             ptrs = {}
@@ -379,13 +442,13 @@ class Session:
                                 knobs={}, behavior_notes=(), workspace_size=0,
                                 scalars=_scalar_arrays(build.spec, part.scalars))
             slots = {role: i for i, role in enumerate(ptrs)}
-            run = trial.runner(slots, {}, ws_ptr, stream_ptr, handle)
+            run = trial.runner(slots, {}, ws_ptr, stream_ptr, self.handles)
             return functools.partial(_run_keeping, run, tuple(ptrs.values()), trial.scalars)
 
         self.handles.on_stream(stream_ptr)
         tuned = autotune.tune_part(g, buffers=make_buffers, make_call=make_call, limit=self.autotune_limit,
                                    stream_ptr=stream_ptr)
-        self._counts["timings"] += sum(r.median_ms is not None for r in tuned.table)
+        self._count("timings", sum(r.median_ms is not None for r in tuned.table))
         return tuned
 
     def _notes_source(self, spec, fused: bool, acc_dtype, i: int, index: int, engine: str,
@@ -394,7 +457,7 @@ class Session:
         def fresh_graph():
             return build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype).parts[i].graph
 
-        return functools.partial(notes.probe, fresh_graph, index=index, engine=engine, modes=modes)
+        return functools.partial(_probe_notes, fresh_graph, index=index, engine=engine, modes=modes)
 
     def _rank_plans(self, g, spec, modes: tuple[str, ...] = ("A", "FALLBACK")) -> None:
         """Heuristics `modes` in order, minus what this session's settings rule out."""
@@ -448,8 +511,16 @@ def _run_keeping(run, ptrs, scalars) -> None:  # `scalars` rides along: cuDNN re
     run(ptrs)
 
 
+def _probe_notes(fresh_graph, **kwargs):
+    from . import notes  # imported when someone asks: a warm process never probes
+
+    return notes.probe(fresh_graph, **kwargs)
+
+
 def _tuning_meta(tuned, inputs: str) -> dict:
     """The timing table a record keeps: every candidate's engine, knobs, median and workspace."""
+    from . import autotune
+
     return {"candidates": [row.to_dict() for row in tuned.table], "winner": tuned.index,
             "heuristic_choice": tuned.heuristic_index, "tune_ms": round(tuned.tune_ms, 3), "inputs": inputs,
             "samples": autotune.SAMPLES, "warmup": autotune.WARMUP}
