@@ -1,4 +1,5 @@
-"""Drop-in PyTorch modules and functions backed by this library's fallback kernels.
+"""Drop-in PyTorch modules and functions: convolutions on this library's cuDNN plans (`Conv2d` ...),
+and the fallback kernels (`grid_sample`, `LinearAct`).
 
 `import cudnn_graphs.torch` needs torch; the names below load on first use.
 """
@@ -9,6 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "conv1d": "_conv", "conv2d": "_conv", "conv3d": "_conv", "Conv1d": "_conv", "Conv2d": "_conv", "Conv3d": "_conv",
     "grid_sample": "_grid_sample",
     "GridSample": "_grid_sample",
     "linear_act": "_linear_act",

@@ -1,0 +1,100 @@
+"""CPU: cudnn_graphs.torch's conv modules are torch's modules to a state_dict, their fake kernels give
+torch's shapes, and on CPU tensors they compute what torch computes (torch's own conv serves)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+
+OURS = {1: cgt.Conv1d, 2: cgt.Conv2d, 3: cgt.Conv3d}
+THEIRS = {1: torch.nn.Conv1d, 2: torch.nn.Conv2d, 3: torch.nn.Conv3d}
+FUNCS = {1: cgt.conv1d, 2: cgt.conv2d, 3: cgt.conv3d}
+KWARGS = [dict(), dict(stride=2, padding=1, bias=False), dict(padding="same", dilation=2, groups=2),
+          dict(padding=1, padding_mode="reflect"), dict(padding=1, padding_mode="circular")]
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", KWARGS, ids=str)
+def test_same_parameters_state_dict_and_initialisation(nd, kwargs):
+    torch.manual_seed(3)
+    ours = OURS[nd](4, 6, 3, **kwargs)
+    torch.manual_seed(3)
+    theirs = THEIRS[nd](4, 6, 3, **kwargs)
+    assert isinstance(ours, THEIRS[nd])
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b), name
+    theirs.load_state_dict(ours.state_dict())
+    ours.load_state_dict(theirs.state_dict())
+    assert repr(ours).startswith(type(ours).__name__) and "activation" not in repr(ours)
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("kwargs", KWARGS, ids=str)
+def test_cpu_forward_and_backward_are_torchs(nd, kwargs):
+    ours, theirs = OURS[nd](4, 6, 3, **kwargs).double(), THEIRS[nd](4, 6, 3, **kwargs).double()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 4, *(9,) * nd, dtype=torch.float64, requires_grad=True)
+    y, want = ours(x), theirs(x)
+    torch.testing.assert_close(y, want)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    (wx,) = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(gx, wx)
+
+
+def test_activation_and_residual_on_cpu():
+    conv = cgt.Conv2d(4, 4, 3, padding=1, activation=("leaky_relu", 0.1)).double()
+    x, z = torch.randn(2, 4, 8, 8, dtype=torch.float64), torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    want = F.leaky_relu(F.conv2d(x, conv.weight, conv.bias, padding=1) + z, 0.1)
+    torch.testing.assert_close(conv(x, z), want)
+    assert "activation=leaky_relu(negative_slope=0.1)" in repr(conv)
+
+
+def test_asymmetric_same_padding_matches_torch():
+    x, w = torch.randn(1, 2, 10, 9, dtype=torch.float64), torch.randn(3, 2, 4, 2, dtype=torch.float64)
+    torch.testing.assert_close(cgt.conv2d(x, w, padding="same"), F.conv2d(x, w, padding="same"))
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_fake_kernels_give_torchs_shapes(nd):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 8, *(13,) * nd)
+        w = torch.empty(6, 4, *(3,) * nd)
+        y = FUNCS[nd](x, w, None, stride=2, padding=1, groups=2)
+        want = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd](x, w, None, stride=2, padding=1, groups=2)
+        assert y.shape == want.shape
+        dx = torch.ops.cudnn_graphs.conv_bwd_data(y, w, list(x.shape), [2] * nd, [1] * 2 * nd, [1] * nd, 2)
+        dw, db = torch.ops.cudnn_graphs.conv_bwd_filter(x, y, list(w.shape), [2] * nd, [1] * 2 * nd, [1] * nd, 2,
+                                                        True)
+        assert dx.shape == x.shape and dw.shape == w.shape and db.shape == (6,)
+
+
+def test_fake_output_keeps_channels_last():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+        y = cgt.conv2d(x, torch.empty(4, 8, 3, 3), padding=1)
+        assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+
+
+@pytest.mark.parametrize("kwargs, field", [(dict(padding="full"), "padding"), (dict(stride=0), "stride"),
+                                           (dict(padding=-1), "padding"), (dict(dilation=(1, 2, 3)), "dilation"),
+                                           (dict(padding="same", stride=2), "same")])
+def test_bad_arguments_name_the_field(kwargs, field):
+    x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
+    with pytest.raises(ValueError, match=field):
+        cgt.conv2d(x, w, **kwargs)
+
+
+def test_bad_activation_is_a_spec_error():
+    from cudnn_graphs import SpecError
+
+    with pytest.raises(SpecError, match="activation"):
+        cgt.Conv2d(2, 2, 3, activation="swishy")
