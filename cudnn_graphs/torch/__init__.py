@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "convert": "_convert", "ConversionReport": "_convert",
     "conv1d": "_conv", "conv2d": "_conv", "conv3d": "_conv", "Conv1d": "_conv", "Conv2d": "_conv", "Conv3d": "_conv",
     "grid_sample": "_grid_sample",
     "GridSample": "_grid_sample",

@@ -1,0 +1,219 @@
+"""`convert(model)`: every torch.nn.Conv1d/2d/3d of a model becomes ours, in place.
+
+    model = cudnn_graphs.torch.convert(model)                        # training: parameters shared
+    model = cudnn_graphs.torch.convert(model.eval(), inference=True)  # BatchNorm folded, epilogues fused
+    print(model.cudnn_graphs_report)
+
+Training: each conv keeps its Parameter objects (an optimizer made before still steps them).
+Inference (eval mode): a BatchNorm right after a conv, in an nn.Sequential or in torchvision's
+ResNet blocks, is folded into the conv's weight and bias (new tensors: the report says "copied"),
+a following activation becomes the conv's fused epilogue, and in torchvision's BasicBlock and
+Bottleneck the residual add and ReLU fuse into the last conv. What cannot be converted (transposed
+or lazy convs, subclasses with their own forward) stays torch and is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..spec.activations import Activation
+from ._conv import Conv1d, Conv2d, Conv3d
+
+__all__ = ["ConversionReport", "convert"]
+
+_OURS = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+@dataclass
+class ConversionReport:
+    """What `convert` did, by qualified module name."""
+
+    replaced: list[str] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays torch's)
+    folded_batchnorm: list[str] = field(default_factory=list)  # the BatchNorm modules folded away
+    fused_activation: list[tuple[str, str]] = field(default_factory=list)  # (conv, activation)
+    fused_residual: list[str] = field(default_factory=list)  # blocks whose add + relu the last conv does
+    weights: str = "shared"  # or "copied" where BatchNorm was folded into new weight and bias tensors
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.replaced)} convolutions converted (weights {self.weights})"]
+        if self.folded_batchnorm:
+            lines.append(f"{len(self.folded_batchnorm)} BatchNorm folded, {len(self.fused_activation)} activations "
+                         f"and {len(self.fused_residual)} residual adds fused")
+        lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
+        return "\n".join(lines)
+
+
+def convert(model: nn.Module, *, inference: bool = False) -> nn.Module:
+    """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if inference and model.training:
+        raise ValueError("convert(inference=True) folds BatchNorm running statistics: call model.eval() first")
+    report = ConversionReport()
+    if inference:
+        _fuse(model, report)
+    _replace(model, "", report)
+    model.cudnn_graphs_report = report
+    return model
+
+
+# -- replacing the convolutions ------------------------------------------------------------------------
+
+def _replace(module: nn.Module, prefix: str, report: ConversionReport) -> None:
+    for name, child in list(module.named_children()):
+        qualified = f"{prefix}{name}"
+        ours = _OURS.get(type(child))
+        if ours is not None:
+            setattr(module, name, _as_ours(child, ours))
+            report.replaced.append(qualified)
+        elif isinstance(child, nn.modules.conv._ConvNd) and not isinstance(child, tuple(_OURS.values())):
+            report.kept.append((qualified, _why_kept(child)))
+        else:
+            _replace(child, qualified + ".", report)
+
+
+def _as_ours(conv: nn.Module, ours: type) -> nn.Module:
+    """The same module state (the very Parameter objects, hooks, training flag) under our class."""
+    new = ours.__new__(ours)
+    new.__dict__.update(conv.__dict__)
+    if "activation" not in new.__dict__:
+        new.activation = Activation("identity")
+    return new
+
+
+def _why_kept(conv: nn.Module) -> str:
+    if isinstance(conv, nn.modules.conv._ConvTransposeNd):
+        return "transposed convolution (not planned by this library)"
+    if isinstance(conv, nn.modules.lazy.LazyModuleMixin):
+        return "lazy convolution whose shape is not known yet"
+    return f"{type(conv).__name__} subclasses torch's conv with its own behaviour"
+
+
+# -- inference: BatchNorm folding and epilogue fusion ---------------------------------------------------
+
+def _fuse(model: nn.Module, report: ConversionReport) -> None:
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        if isinstance(module, nn.Sequential):
+            _fuse_sequential(module, prefix, report)
+        elif _resnet_block(module) is not None:
+            _fuse_resnet_block(module, prefix, report)
+
+
+def _fuse_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
+    names = list(seq._modules)
+    for i, name in enumerate(names):
+        conv = seq._modules[name]
+        if type(conv) not in _OURS and type(conv) not in _OURS.values():
+            continue
+        j = i + 1
+        if j < len(names) and _fold(conv, seq._modules[names[j]], report, prefix + names[j]):
+            seq._modules[names[j]] = nn.Identity()
+            j += 1
+        if j < len(names):
+            act = _activation_of(seq._modules[names[j]])
+            if act is not None and _identity_epilogue(conv):
+                conv.activation = act
+                seq._modules[names[j]] = nn.Identity()
+                report.fused_activation.append((prefix + name, str(act)))
+
+
+def _resnet_block(module: nn.Module) -> str | None:
+    """torchvision's BasicBlock / Bottleneck, recognised by their parts (no torchvision import)."""
+    kind = type(module).__name__
+    parts = {"BasicBlock": ("conv1", "bn1", "conv2", "bn2", "relu"),
+             "Bottleneck": ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "relu")}.get(kind)
+    if parts is None or not all(hasattr(module, p) for p in parts) or not isinstance(module.relu, nn.ReLU):
+        return None
+    return kind
+
+
+def _fuse_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) -> None:
+    convs = ["conv1", "conv2"] + (["conv3"] if _resnet_block(block) == "Bottleneck" else [])
+    if not all(type(getattr(block, c)) in _OURS for c in convs):
+        return
+    for i, conv_name in enumerate(convs, start=1):
+        conv, bn = getattr(block, conv_name), getattr(block, f"bn{i}")
+        if not _fold(conv, bn, report, f"{prefix}bn{i}"):
+            return  # left as torch wrote it: its forward still calls every part
+        setattr(block, f"bn{i}", nn.Identity())
+    for conv_name in convs:
+        getattr(block, conv_name).activation = Activation("relu")
+    report.fused_activation += [(f"{prefix}{c}", "relu") for c in convs]
+    block.forward = types.MethodType(_fused_block_forward, block)
+    block._cudnn_graphs_convs = tuple(convs)
+    report.fused_residual.append(prefix.rstrip("."))
+
+
+def _fused_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """torchvision's block with BatchNorm folded: relu(conv(...)) per conv, the last one
+    relu(conv(out) + identity) in one epilogue."""
+    identity = x if self.downsample is None else self.downsample(x)
+    *inner, last = self._cudnn_graphs_convs
+    out = x
+    for name in inner:
+        out = getattr(self, name)(out)
+    return getattr(self, last)(out, identity)
+
+
+def _fold(conv: nn.Module, bn: nn.Module, report: ConversionReport, bn_name: str) -> bool:
+    """Fold an eval-mode BatchNorm that follows `conv` into its weight and bias (new tensors)."""
+    if not isinstance(bn, _BATCHNORMS) or bn.training or bn.running_mean is None or not _identity_epilogue(conv):
+        return False
+    if bn.num_features != conv.out_channels:
+        return False
+    with torch.no_grad():
+        scale = bn.running_var.double().add(bn.eps).rsqrt()
+        if bn.weight is not None:
+            scale = scale * bn.weight.double()
+        shift = -bn.running_mean.double() * scale
+        if bn.bias is not None:
+            shift = shift + bn.bias.double()
+        weight = conv.weight.double() * scale.view(-1, *([1] * (conv.weight.dim() - 1)))
+        bias = shift if conv.bias is None else conv.bias.double() * scale + shift
+        dtype = conv.weight.dtype
+        conv.weight = nn.Parameter(weight.to(dtype).contiguous(memory_format=_format_of(conv.weight)),
+                                   requires_grad=False)
+        conv.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+    report.folded_batchnorm.append(bn_name)
+    report.weights = "copied"
+    return True
+
+
+def _format_of(t: torch.Tensor) -> torch.memory_format:
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _identity_epilogue(conv: nn.Module) -> bool:
+    act = getattr(conv, "activation", None)
+    return act is None or act.is_identity
+
+
+def _activation_of(module: nn.Module) -> Activation | None:
+    """Our activation for a torch activation module, or None when it has no exact counterpart."""
+    kind = type(module)
+    if kind is nn.ReLU:
+        return Activation("relu")
+    if kind is nn.LeakyReLU:
+        return Activation("leaky_relu", module.negative_slope)
+    if kind is nn.ELU:
+        return Activation("elu", module.alpha)
+    if kind is nn.GELU:
+        return Activation("gelu_tanh" if module.approximate == "tanh" else "gelu")
+    if kind is nn.SiLU:
+        return Activation("silu")
+    if kind is nn.Sigmoid:
+        return Activation("sigmoid")
+    if kind is nn.Tanh:
+        return Activation("tanh")
+    return None  # Hardswish, ReLU6, Softplus with its threshold...: not exactly ours

@@ -1,0 +1,95 @@
+"""CPU: `convert` replaces torch's convs (sharing parameters), folds eval BatchNorm, fuses activations
+and torchvision-style residual blocks, and lists what it keeps; the converted model computes the same."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock, as its code reads (convert recognises it by its parts)."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+def _net():
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU()),
+        BasicBlock(8, 8), BasicBlock(8, 16, stride=2),
+        nn.Conv2d(16, 16, 1), nn.LeakyReLU(0.2), nn.ConvTranspose2d(16, 4, 2, stride=2), nn.Hardswish())
+    for m in net.modules():  # BatchNorm with statistics that are not the identity
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    return net.double()
+
+
+def test_training_convert_shares_parameters_and_lists_what_it_keeps():
+    net = _net()
+    before = {name: p for name, p in net.named_parameters()}
+    out = cgt.convert(net)
+    assert out is net
+    report = net.cudnn_graphs_report
+    assert len(report.replaced) == 7 and report.weights == "shared"
+    assert [name for name, _ in report.kept] == ["5"] and "transposed" in report.kept[0][1]
+    assert all(p is before[name] for name, p in net.named_parameters())
+    assert isinstance(net[0][0], cgt.Conv2d) and isinstance(net[1].conv1, cgt.Conv2d)
+    assert type(net[5]) is nn.ConvTranspose2d
+
+
+def test_inference_convert_folds_batchnorm_fuses_epilogues_and_computes_the_same():
+    net = _net().eval()
+    x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    want = net(x)
+    cgt.convert(net, inference=True)
+    report = net.cudnn_graphs_report
+    assert report.weights == "copied" and len(report.folded_batchnorm) == 6
+    assert report.fused_residual == ["1", "2"]
+    fused = dict(report.fused_activation)
+    assert fused["0.0"] == "silu" and fused["1.conv2"] == "relu" and fused["3"] == "leaky_relu(negative_slope=0.2)"
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
+    torch.testing.assert_close(net(x), want)
+    assert "7 convolutions converted (weights copied)" in str(report)
+
+
+def test_inference_convert_needs_eval_mode():
+    with pytest.raises(ValueError, match="eval"):
+        cgt.convert(_net(), inference=True)
+    with pytest.raises(TypeError, match="model"):
+        cgt.convert("resnet")
+
+
+def test_torchvision_models_convert():
+    tv = pytest.importorskip("torchvision")
+    for build in (tv.models.resnet18, tv.models.mobilenet_v3_small, tv.models.efficientnet_b0):
+        net = build(weights=None).double().eval()
+        convs = sum(type(m) is nn.Conv2d for m in net.modules())
+        x = torch.randn(1, 3, 64, 64, dtype=torch.float64)
+        want = net(x)
+        cgt.convert(net, inference=True)
+        report = net.cudnn_graphs_report
+        assert len(report.replaced) == convs and not report.kept, build.__name__
+        assert report.folded_batchnorm, build.__name__
+        torch.testing.assert_close(net(x), want)
