@@ -20,6 +20,7 @@ run unfused when a gradient is needed (the conv+bias+residual fused, the activat
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -86,8 +87,8 @@ def _ours(*tensors: torch.Tensor | None) -> bool:
 
 
 def _session(device: int):
-    deterministic = torch.are_deterministic_algorithms_enabled() or torch.backends.cudnn.deterministic
-    if not deterministic:
+    # torch's own getters: the torch.backends attributes cost ~1 us each, on every call
+    if not (torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic()):
         return None  # the default session of the device
     from ..plan.session import Session
 
@@ -125,8 +126,19 @@ def _torch_act(name: str, param: float):
     }[name]
 
 
-def _activation(name: str, param: float) -> Activation:
-    return Activation(name, None if Activation(name).param is None else param)
+@functools.lru_cache(maxsize=256)
+def _params(stride: tuple, padding: tuple, dilation: tuple, groups: int, activation: str, act_param: float,
+            beta: float, residual: bool, allow_tf32: bool) -> dict:
+    """The library's conv parameters for the ops' flat arguments, made once per distinct set."""
+    act = Activation(activation, None if Activation(activation).param is None else act_param)
+    return {"stride": stride, "padding": _pairs(padding), "dilation": dilation, "groups": groups,
+            "activation": act, "residual": residual, "beta": beta if residual else 1.0, "allow_tf32": allow_tf32}
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_params(stride: tuple, padding: tuple, dilation: tuple, groups: int, allow_tf32: bool) -> dict:
+    return {"stride": stride, "padding": _pairs(padding), "dilation": dilation, "groups": groups,
+            "allow_tf32": allow_tf32}
 
 
 # -- the op kernels ------------------------------------------------------------------------------------
@@ -135,12 +147,10 @@ def _conv_fwd_cuda(x, w, bias, z, stride, padding, dilation, groups, activation,
     if _ours(x, w, bias, z):
         fmt = _memory_format(x)
         x, z = _packed(x, fmt), _packed(z, fmt)
+        params = _params(tuple(stride), tuple(padding), tuple(dilation), groups, activation, act_param, beta,
+                         z is not None, torch._C._get_cudnn_allow_tf32())
         try:
-            y = api.conv_fwd(x, _packed(w, _memory_format(w)), bias, z=z, stride=tuple(stride),
-                             padding=_pairs(padding), dilation=tuple(dilation), groups=groups,
-                             activation=_activation(activation, act_param), residual=z is not None,
-                             beta=beta if z is not None else 1.0, allow_tf32=torch.backends.cudnn.allow_tf32,
-                             session=_session(x.get_device()))
+            y = api.conv_fwd(x, _packed(w, _memory_format(w)), bias, z=z, session=_session(x.get_device()), **params)
             return _packed(y, fmt)
         except UnsupportedGraphError as err:
             _declined_once(f"conv_fwd {tuple(x.shape)} x {tuple(w.shape)}", err)
@@ -158,10 +168,10 @@ def _conv_bwd_data_cuda(dy, w, x_shape, stride, padding, dilation, groups):
     if _ours(dy, w):
         fmt = _memory_format(dy)
         try:
+            params = _bwd_params(tuple(stride), tuple(padding), tuple(dilation), groups,
+                                 torch._C._get_cudnn_allow_tf32())
             dx = api.conv_bwd_data(_packed(dy, fmt), _packed(w, _memory_format(w)), x_shape=tuple(x_shape),
-                                   stride=tuple(stride), padding=_pairs(padding), dilation=tuple(dilation),
-                                   groups=groups, allow_tf32=torch.backends.cudnn.allow_tf32,
-                                   session=_session(dy.get_device()))
+                                   session=_session(dy.get_device()), **params)
             return _packed(dx, fmt)
         except UnsupportedGraphError as err:
             _declined_once(f"conv_bwd_data {tuple(dy.shape)} x {tuple(w.shape)}", err)
@@ -178,10 +188,10 @@ def _conv_bwd_filter_cuda(x, dy, w_shape, stride, padding, dilation, groups, bia
     if _ours(x, dy):
         fmt = _memory_format(x)
         try:
-            out = api.conv_bwd_filter(_packed(x, fmt), _packed(dy, fmt), w_shape=tuple(w_shape), stride=tuple(stride),
-                                      padding=_pairs(padding), dilation=tuple(dilation), groups=groups,
-                                      bias_grad=bias_grad, allow_tf32=torch.backends.cudnn.allow_tf32,
-                                      session=_session(x.get_device()))
+            params = _bwd_params(tuple(stride), tuple(padding), tuple(dilation), groups,
+                                 torch._C._get_cudnn_allow_tf32())
+            out = api.conv_bwd_filter(_packed(x, fmt), _packed(dy, fmt), w_shape=tuple(w_shape), bias_grad=bias_grad,
+                                      session=_session(x.get_device()), **params)
             dw, db = out if bias_grad else (out, dy.new_empty(0))
             return _packed(dw, fmt), db
         except UnsupportedGraphError as err:
@@ -265,23 +275,26 @@ def _act_grad(dy: torch.Tensor, y: torch.Tensor | None, name: str, param: float)
     raise AssertionError(f"{name}: its derivative needs the pre-activation")
 
 
-def _backward_fwd(ctx, dy):
+def _backward_with(ctx, dy, bwd_data, bwd_filter):
     x, w, y = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv
     need_x, need_w, need_b, need_z = ctx.needs_input_grad[:4]
     g = _act_grad(dy, y, *ctx.act)
     dx = dw = db = dz = None
     if need_x:
-        dx = torch.ops.cudnn_graphs.conv_bwd_data(g, w, ctx.x_shape, stride, padding, dilation, groups)
+        dx = bwd_data(g, w, ctx.x_shape, stride, padding, dilation, groups)
     if need_w:
-        dw, db = torch.ops.cudnn_graphs.conv_bwd_filter(x, g, ctx.w_shape, stride, padding, dilation, groups,
-                                                        bool(need_b and ctx.has_bias))
+        dw, db = bwd_filter(x, g, ctx.w_shape, stride, padding, dilation, groups, bool(need_b and ctx.has_bias))
         db = db if need_b and ctx.has_bias else None
     if need_b and ctx.has_bias and db is None:
         db = g.sum([0, *range(2, g.dim())])
     if need_z:
         dz = g * ctx.beta if ctx.beta != 1.0 else g
     return dx, dw, db, dz, None, None, None, None, None, None, None
+
+
+def _backward_fwd(ctx, dy):  # traced by torch.compile: the registered ops, never our Python on fakes
+    return _backward_with(ctx, dy, torch.ops.cudnn_graphs.conv_bwd_data, torch.ops.cudnn_graphs.conv_bwd_filter)
 
 
 torch.library.register_autograd("cudnn_graphs::conv_fwd", _backward_fwd, setup_context=_setup_fwd)
@@ -333,6 +346,37 @@ torch.library.register_autograd("cudnn_graphs::conv_bwd_filter", _backward_bwd_f
                                 setup_context=_setup_bwd_filter)
 
 
+# -- eager calls: straight to the kernels --------------------------------------------------------------
+# torch.library's Python autograd wrapper costs ~170 us a call and the dispatcher ~30 (H100 host,
+# tools/probe_op_overhead.py), against ~25 us for the conv itself: eager calls skip both, through a
+# plain autograd.Function; torch.compile traces the registered ops instead.
+
+def _fwd_direct(x, *args):
+    return (_conv_fwd_cuda if x.is_cuda else _conv_fwd_torch)(x, *args)
+
+
+def _bwd_data_direct(dy, *args):
+    return (_conv_bwd_data_cuda if dy.is_cuda else _conv_bwd_data_torch)(dy, *args)
+
+
+def _bwd_filter_direct(x, *args):
+    return (_conv_bwd_filter_cuda if x.is_cuda else _conv_bwd_filter_torch)(x, *args)
+
+
+class _ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
+        y = _fwd_direct(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta)
+        _setup_fwd(ctx, (x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph: gradients of gradients go through the registered ops
+            return _backward_fwd(ctx, dy)
+        return _backward_with(ctx, dy, _bwd_data_direct, _bwd_filter_direct)
+
+
 # -- the functional API --------------------------------------------------------------------------------
 
 def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta):
@@ -342,7 +386,10 @@ def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activ
     if torch.is_autocast_enabled("cuda") and input.is_cuda:  # as torch's conv: run in the autocast dtype
         input, weight, bias, residual = (_autocast(t) for t in (input, weight, bias, residual))
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias, residual))
-    op = torch.ops.cudnn_graphs.conv_fwd
+    if torch.compiler.is_compiling():
+        op = torch.ops.cudnn_graphs.conv_fwd
+    else:
+        op = _ConvFunction.apply if grads else _fwd_direct
     if grads and not _derivative_from_output(act):  # the backward needs the pre-activation: keep it
         pre = op(input, weight, bias, residual, stride, flat, dilation, groups, "identity", 0.0, beta)
         return _torch_act(act.name, act.param)(pre)

@@ -1,0 +1,205 @@
+"""Benchmark (GPU host): torchvision networks with `cudnn_graphs.torch.convert` against torch, one run.
+
+    python3 tools/bench_models.py --out results.json [--models resnet50 ...] [--compile] [--plot out.png]
+
+Per model (AMP fp16 autocast, channels_last, cudnn.benchmark=True for torch):
+- train: steady-state ms per training step (forward, cross-entropy, backward, SGD) at --train-batch,
+  ours (`convert(model)`, parameters shared) against torch eager; blocks of steps alternate, CUDA
+  events, medians. With --compile, torch.compile(model) beside them.
+- infer: ms per forward at --infer-batch under no_grad, ours `convert(model.eval(), inference=True)`
+  (BatchNorm folded, epilogues fused) against torch eager (and compiled).
+- losses: --loss-steps training steps from one initialisation on fixed random batches, both losses.
+Plans are built (or loaded) before timing: the first iteration is `bench_first_step.py`'s subject.
+Inputs are random; outputs of ours and torch's are compared once per model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_800mf")
+
+
+def _block_ms(step, *, steps: int) -> float:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def _alternate(steps_by_name: dict, *, rounds: int, steps: int) -> dict[str, float]:
+    samples = {name: [] for name in steps_by_name}
+    for _ in range(rounds):
+        for name, step in steps_by_name.items():
+            samples[name].append(_block_ms(step, steps=steps))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _train_step(model, opt, x, target):
+    import torch
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def bench_model(name: str, args) -> dict:
+    import torch
+    import torchvision
+
+    import cudnn_graphs.torch as cgt
+
+    cl = torch.channels_last
+    torch.manual_seed(0)
+    base = getattr(torchvision.models, name)(weights=None).cuda().to(memory_format=cl)
+    out: dict = {"model": name}
+    t0 = time.perf_counter()
+
+    # -- training steady state --------------------------------------------------------------------
+    x = torch.randn(args.train_batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
+    target = torch.randint(0, 1000, (args.train_batch,), device="cuda")
+    models = {"torch": copy.deepcopy(base), "ours": cgt.convert(copy.deepcopy(base))}
+    out["converted"] = len(models["ours"].cudnn_graphs_report.replaced)
+    if args.compile:
+        models["torch_compile"] = torch.compile(copy.deepcopy(base))
+    steps = {k: _train_step(m, torch.optim.SGD(m.parameters(), lr=1e-4), x, target) for k, m in models.items()}
+    for step in steps.values():  # plans built, kernels loaded, autotuned by torch, compiled
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    out["setup_s"] = round(time.perf_counter() - t0, 1)
+    train = _alternate(steps, rounds=args.rounds, steps=args.steps)
+    out["train_ms"] = train
+    out["train_speedup"] = train["torch"] / train["ours"]
+    del steps, models
+
+    # -- inference --------------------------------------------------------------------------------
+    base.eval()
+    xi = torch.randn(args.infer_batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=cl)
+    infer_models = {"torch": copy.deepcopy(base).half(),
+                    "ours": cgt.convert(copy.deepcopy(base).half(), inference=True)}
+    if args.compile:
+        infer_models["torch_compile"] = torch.compile(copy.deepcopy(base).half())
+    report = infer_models["ours"].cudnn_graphs_report
+    out["inference_fusion"] = {"folded_batchnorm": len(report.folded_batchnorm),
+                               "fused_activation": len(report.fused_activation),
+                               "fused_residual": len(report.fused_residual)}
+
+    def forward(model):
+        def step():
+            with torch.no_grad():
+                return model(xi)
+        return step
+
+    fwd = {k: forward(m) for k, m in infer_models.items()}
+    with torch.no_grad():
+        ref, got = infer_models["torch"](xi).double(), infer_models["ours"](xi).double()
+    out["infer_rel_err"] = float((got - ref).norm() / ref.norm())
+    for step in fwd.values():
+        for _ in range(3):
+            step()
+    infer = _alternate(fwd, rounds=args.rounds, steps=args.steps)
+    out["infer_ms"] = infer
+    out["infer_speedup"] = infer["torch"] / infer["ours"]
+    del fwd, infer_models
+
+    # -- loss curves from one initialisation ------------------------------------------------------
+    if args.loss_steps:
+        out["losses"] = loss_curves(base.train(), args)
+    print(json.dumps({k: v for k, v in out.items() if k != "losses"}), flush=True)
+    return out
+
+
+def loss_curves(base, args) -> dict[str, list[float]]:
+    import torch
+
+    import cudnn_graphs.torch as cgt
+
+    cl = torch.channels_last
+    curves = {}
+    for name in ("torch", "ours"):
+        model = copy.deepcopy(base)
+        if name == "ours":
+            cgt.convert(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        batches = [(torch.randn(16, 3, 128, 128, device="cuda", generator=gen).contiguous(memory_format=cl),
+                    torch.randint(0, 10, (16,), device="cuda", generator=gen)) for _ in range(4)]
+        step_losses = []
+        for i in range(args.loss_steps):
+            x, target = batches[i % len(batches)]
+            step_losses.append(float(_train_step(model, opt, x, target)()))
+        curves[name] = step_losses
+    return curves
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    names = [r["model"] for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "train_speedup", "training step"), (axes[1], "infer_speedup", "inference")):
+        ax.bar(names, [r[key] for r in results])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{title}: torch ms / ours ms (AMP fp16, channels_last)")
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path)
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--models", nargs="*", default=list(MODELS))
+    p.add_argument("--train-batch", type=int, default=64)
+    p.add_argument("--infer-batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--loss-steps", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    results = [bench_model(name, args) for name in args.models]
+    speed = [r["train_speedup"] for r in results]
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": results,
+               "train_geomean": statistics.geometric_mean(speed),
+               "infer_geomean": statistics.geometric_mean([r["infer_speedup"] for r in results])}
+    print(f"geo-mean speedup: training {summary['train_geomean']:.2f}x, inference {summary['infer_geomean']:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
