@@ -114,7 +114,9 @@ def bench_model(name: str, args) -> dict:
     fwd = {k: forward(m) for k, m in infer_models.items()}
     with torch.no_grad():
         ref, got = infer_models["torch"](xi).double(), infer_models["ours"](xi).double()
-    out["infer_rel_err"] = float((got - ref).norm() / ref.norm())
+    out["infer_finite"] = {"torch": bool(ref.isfinite().all()), "ours": bool(got.isfinite().all())}
+    out["infer_rel_err_fp16"] = float((got - ref).norm() / ref.norm())
+    out["infer_rel_err_fp32"] = _fp32_check(base, xi.float())
     for step in fwd.values():
         for _ in range(3):
             step()
@@ -130,6 +132,24 @@ def bench_model(name: str, args) -> dict:
     return out
 
 
+def _fp32_check(base, x) -> float:
+    """Relative error of the converted inference model against torch's, both float32 with TF32 off
+    (random-initialised networks can overflow float16 in torch and ours alike)."""
+    import torch
+
+    import cudnn_graphs.torch as cgt
+
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            want = copy.deepcopy(base).float()(x).double()
+            got = cgt.convert(copy.deepcopy(base).float(), inference=True)(x).double()
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    return float((got - want).norm() / want.norm())
+
+
 def loss_curves(base, args) -> dict[str, list[float]]:
     import torch
 
@@ -141,7 +161,7 @@ def loss_curves(base, args) -> dict[str, list[float]]:
         model = copy.deepcopy(base)
         if name == "ours":
             cgt.convert(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)  # a descent both can follow
         gen = torch.Generator(device="cuda").manual_seed(7)
         batches = [(torch.randn(16, 3, 128, 128, device="cuda", generator=gen).contiguous(memory_format=cl),
                     torch.randint(0, 10, (16,), device="cuda", generator=gen)) for _ in range(4)]
