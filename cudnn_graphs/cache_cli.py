@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 import time
 from collections import Counter
@@ -18,8 +17,6 @@ from typing import Any, NamedTuple
 
 from plan_cache import PlanRecord, PlanStore
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
-from plan_cache.errors import CorruptRecordError
-from plan_cache.record import MAX_RECORD_BYTES, decode
 
 from . import config
 from .cache.policy import for_machine, keep_stored, verify_load
@@ -32,7 +29,6 @@ __all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
 _NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
 _SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
 _LOAD_STATUSES = ("loads", "rebuilt", "foreign", "unusable")
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
 class _Exit(Exception):
@@ -141,22 +137,14 @@ def _rows(store: PlanStore) -> list[_Row]:
 
 
 def _peek(store: PlanStore, key: str) -> _Row | None:
-    path = store.path_of(key)
-    try:
-        fd = os.open(path, _O_FLAGS)
-    except FileNotFoundError:  # evicted since keys() listed it
+    peeked = store.peek(key)  # read-only, and safe against FIFOs, directories and links at record paths
+    if peeked.status == "missing":  # evicted since keys() listed it
         return None
-    except OSError as err:
-        return _Row(key, 0, 0.0, None, f"cannot open: {err.strerror}")
-    with os.fdopen(fd, "rb") as file:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES:
-            return _Row(key, st.st_size, st.st_mtime, None, "not a regular record file")
-        data = file.read()
-    try:
-        return _Row(key, st.st_size, st.st_mtime, decode(data, expected_key=key).record, None)
-    except CorruptRecordError as err:
-        return _Row(key, st.st_size, st.st_mtime, None, err.reason)
+    st = peeked.stat
+    size, used = (st.st_size, st.st_mtime) if st is not None else (0, 0.0)
+    if peeked.status == "ok":
+        return _Row(key, size, used, peeked.record, None)
+    return _Row(key, size, used, None, peeked.reason or peeked.status)
 
 
 def _dig(data: Any, *path: str) -> Any:

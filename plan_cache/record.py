@@ -34,7 +34,9 @@ __all__ = ["FORMAT_VERSION", "MAGIC", "HEADER_SIZE", "MAX_RECORD_BYTES", "PlanRe
 FORMAT_VERSION = 1
 MAGIC = b"CGPLAN\0"
 MAX_KEY_LENGTH = 200  # leaves room for the ".rec" suffix under the usual 255-byte file-name limit
-MAX_RECORD_BYTES = 1 << 31  # a record file larger than this is garbage, not a plan: never read it whole
+# A plan record is kilobytes (a runtime-compiled plan with its cubins, ~1 MB): a larger file is garbage,
+# rejected from its size alone, never read.
+MAX_RECORD_BYTES = 64 << 20
 _MAX_META_DEPTH = 32
 
 _PREFIX = struct.Struct("<8sHQ")  # magic (7 bytes + a reserved zero byte), format version, payload length

@@ -50,6 +50,7 @@ _FILE_MODE = 0o600
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO planted at a record path must not block
 _COUNTERS = ("hits", "misses", "puts", "puts_skipped", "puts_kept_existing", "evictions", "corrupt", "untrusted")
 
 
@@ -58,6 +59,15 @@ class _Entry(NamedTuple):
     size: int
     mtime_ns: int
     ino: int
+
+
+class Peeked(NamedTuple):
+    """A record file as read, without side effects: `status` as `_Loaded`'s, with the reason when not ok."""
+
+    status: str
+    record: PlanRecord | None = None
+    stat: os.stat_result | None = None
+    reason: str = ""
 
 
 class _Loaded(NamedTuple):
@@ -83,19 +93,36 @@ def _distrust(st: os.stat_result) -> str | None:
     return None
 
 
-def _trusted_dir(path: Path) -> None:
-    """Create `path` 0o700 if absent; refuse it if it is not a directory we alone can write."""
+def _trusted_dir(path: Path, *, follow: bool = False) -> None:
+    """Create `path` 0o700 if absent; refuse it if it is not a directory we alone can write. Only the
+    root may be reached through a symbolic link (`follow`): nothing under it is ever followed."""
     try:
         path.mkdir(mode=_DIR_MODE, parents=True)
         os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
     except FileExistsError:
         pass
-    st = os.stat(path)
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedCacheError(path, "is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, "plan cache path is not a directory", os.fspath(path))
     reason = _distrust(st)
     if reason is not None:
         raise UntrustedCacheError(path, reason)
+
+
+def _unsafe_dir(path: str | Path) -> str | None:
+    """Why a directory under the root must not be read, written or deleted through (a link, not a
+    directory, or not ours alone), else None; a missing one is not unsafe."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    return _distrust(st)
 
 
 def _number(name: str, value: Any, *, allow_none: bool = False) -> Any:
@@ -142,7 +169,7 @@ class PlanStore:
         self._use_soft_lock = False
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts_lock = threading.Lock()
-        _trusted_dir(self._root)
+        _trusted_dir(self._root, follow=True)
         _trusted_dir(self._records)
 
     @classmethod
@@ -191,32 +218,59 @@ class PlanStore:
         return loaded.record
 
     def _load(self, path: Path, key: str) -> _Loaded:
+        peeked = self._read(path, key)
+        if peeked.status in ("ok", "missing", "unreadable"):
+            if peeked.status == "unreadable":
+                logger.warning("plan cache: cannot read %s (%s); treated as a miss", path, peeked.reason)
+            return _Loaded(peeked.status, peeked.record, peeked.stat)
+        if peeked.stat is None and peeked.reason.startswith("directory "):
+            # never read, move or delete through a link or a directory others control
+            self._count("untrusted")
+            logger.warning("plan cache: %s; record %s treated as a miss", peeked.reason, path.name)
+            return _Loaded("untrusted")
+        return self._reject(path, peeked.stat, peeked.reason, status=peeked.status)
+
+    def peek(self, key: str) -> Peeked:
+        """The record under `key` read as `get` reads it, but read-only: no last-use update, nothing
+        quarantined, nothing counted (`cudnn-graphs cache ls` and `verify` reports use it)."""
+        return self._read(self._record_path(validate_key(key)), key)
+
+    def _read(self, path: Path, key: str) -> Peeked:
+        reason = self._unsafe_parents(path)
+        if reason is not None:
+            return Peeked("untrusted", None, None, reason)
         try:
             # O_NOFOLLOW: a symlink planted in the cache must not make us load a file from elsewhere.
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_BINARY)
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_BINARY | _O_NONBLOCK)
         except FileNotFoundError:
-            return _Loaded("missing")
+            return Peeked("missing")
         except OSError as err:
             if err.errno == errno.ELOOP:
-                return self._reject(path, None, "is a symbolic link", status="untrusted")
-            logger.warning("plan cache: cannot open %s (%s); treated as a miss", path, err)
-            return _Loaded("unreadable")
-        with os.fdopen(fd, "rb") as file:
-            st = os.fstat(fd)
+                return Peeked("untrusted", None, None, "is a symbolic link")
+            return Peeked("unreadable", None, None, str(err))
+        try:
+            st = os.fstat(fd)  # type, owner and size are checked before a byte is read
             status, reason = self._refusal(st)
-            if status is None:
-                try:
-                    data = file.read()
-                except OSError as err:
-                    logger.warning("plan cache: cannot read %s (%s); treated as a miss", path, err)
-                    return _Loaded("unreadable")
-        if status is not None:  # rejected after closing: Windows cannot move an open file
-            return self._reject(path, st, reason, status=status)
+            data = _read_exactly(fd, st.st_size) if status is None else b""
+        except OSError as err:
+            return Peeked("unreadable", None, None, str(err))
+        finally:
+            os.close(fd)
+        if status is not None:
+            return Peeked(status, None, st, reason)
         try:
             record = decode(data, expected_key=key).record
         except CorruptRecordError as err:
-            return self._reject(path, st, err.reason, status="corrupt")
-        return _Loaded("ok", record, st)
+            return Peeked("corrupt", None, st, err.reason)
+        return Peeked("ok", record, st)
+
+    def _unsafe_parents(self, path: Path) -> str | None:
+        """Why the directories between the root and `path` must not be used, else None."""
+        for directory in (self._records, path.parent):
+            reason = _unsafe_dir(directory)
+            if reason is not None:
+                return f"directory {os.fspath(directory)} {reason}"
+        return None
 
     @staticmethod
     def _refusal(st: os.stat_result) -> tuple[str | None, str]:
@@ -259,6 +313,9 @@ class PlanStore:
         dest = self._quarantine / f"{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}-{path.name}"
         try:
             self._quarantine.mkdir(mode=_DIR_MODE, exist_ok=True)
+            unsafe = _unsafe_dir(self._quarantine)
+            if unsafe is not None:  # moving into a linked or foreign directory would write outside the cache
+                raise UntrustedCacheError(self._quarantine, unsafe)
             os.rename(path, dest)
         except FileNotFoundError:
             return "already removed"
@@ -272,6 +329,8 @@ class PlanStore:
         return f"moved to {dest}"
 
     def _prune_quarantine(self) -> None:
+        if _unsafe_dir(self._quarantine) is not None:  # never delete through a link or in a foreign directory
+            return
         entries = sorted(_scandir(self._quarantine), key=lambda e: e.name)  # names start with time_ns: oldest first
         for entry in entries[:max(0, len(entries) - QUARANTINE_KEEP)]:
             with contextlib.suppress(OSError):
@@ -324,6 +383,9 @@ class PlanStore:
         except FileNotFoundError:  # v1/ removed under us (a person's rm -rf): recreate it private
             self._records.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
+        reason = self._unsafe_parents(path)
+        if reason is not None:  # a linked fan-out directory would put the record outside the cache
+            raise UntrustedCacheError(directory, reason)
         write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}",
                      mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
 
@@ -416,9 +478,7 @@ class PlanStore:
         """Every record file, and how many temp files older than `sweep_before` were removed (None: none are)."""
         entries: list[_Entry] = []
         removed = 0
-        for sub in _scandir(self._records):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
+        for sub in self._fan_out_dirs():
             for item in _scandir(sub.path):
                 try:
                     if item.name.endswith(RECORD_SUFFIX):
@@ -429,6 +489,22 @@ class PlanStore:
                 except FileNotFoundError:  # evicted, replaced or swept by another process while we looked
                     continue
         return entries, removed
+
+    def _fan_out_dirs(self) -> list[os.DirEntry]:
+        """The record directories that may be listed, read and deleted in: real directories we alone own
+        (a linked or foreign one is skipped with a warning, and its files are never touched)."""
+        reason = _unsafe_dir(self._records)
+        if reason is not None:
+            logger.warning("plan cache: %s %s; its records are not used", self._records, reason)
+            return []
+        out = []
+        for sub in _scandir(self._records):
+            unsafe = _unsafe_dir(sub.path) if sub.is_dir(follow_symlinks=False) or sub.is_symlink() else "skip"
+            if unsafe is None:
+                out.append(sub)
+            elif unsafe != "skip":
+                logger.warning("plan cache: directory %s %s; its files are not used", sub.path, unsafe)
+        return out
 
     @staticmethod
     def _remove_if_stale(path: str, before: float) -> int:
@@ -469,6 +545,10 @@ class PlanStore:
         """Remove the record under `key`; True if there was one."""
         validate_key(key)
         path = self._record_path(key)
+        reason = self._unsafe_parents(path)
+        if reason is not None:  # deleting through a linked directory would delete outside the cache
+            logger.warning("plan cache: cannot delete %s: %s", path.name, reason)
+            return False
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -486,16 +566,15 @@ class PlanStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed += 1
-        for item in _scandir(self._quarantine):
-            with contextlib.suppress(OSError):
-                os.unlink(item.path)
+        if _unsafe_dir(self._quarantine) is None:  # never delete through a link or in a foreign directory
+            for item in _scandir(self._quarantine):
+                with contextlib.suppress(OSError):
+                    os.unlink(item.path)
         return removed
 
     def keys(self) -> Iterator[str]:
         """The keys of the stored records (a snapshot per directory; other processes may change it)."""
-        for sub in _scandir(self._records):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
+        for sub in self._fan_out_dirs():
             for item in _scandir(sub.path):
                 key = item.name[:-len(RECORD_SUFFIX)]
                 if item.name.endswith(RECORD_SUFFIX) and key[:2] == sub.name and _is_key(key):
@@ -514,6 +593,19 @@ class PlanStore:
             counts = dict(self._counts)
         return {"entries": len(entries), "total_bytes": sum(e.size for e in entries), "max_bytes": self._max_bytes,
                 **counts}
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """`size` bytes from `fd`, and no more (a file that grew meanwhile is read as checked; a short one
+    yields what it has and fails its checksum)."""
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _is_key(name: str) -> bool:
