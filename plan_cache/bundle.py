@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,6 +38,10 @@ __all__ = ["BUNDLE_MAGIC", "BUNDLE_VERSION", "HEADER_SIZE", "CorruptBundleError"
 BUNDLE_MAGIC = b"CGBUNDL\0"
 BUNDLE_VERSION = 1
 _PAYLOAD_FIELDS = frozenset({"format", "created", "records"})
+
+
+# Thousands of plans of ~0.1 MB each: a bundle beyond this is not one, and is refused before it is read.
+MAX_BUNDLE_BYTES = 1 << 30
 
 
 class CorruptBundleError(CorruptRecordError):
@@ -125,8 +130,7 @@ def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[Plan
     None replaces it. Raises OSError when the file cannot be read and CorruptBundleError when it fails its
     outer check; in both cases nothing is written. An entry that fails its own check is counted in `corrupt`.
     """
-    with open(path, "rb") as file:
-        data = file.read()
+    data = _read_bundle(path)
     try:
         entries = unpack_bundle(data)
     except CorruptBundleError as err:
@@ -135,6 +139,29 @@ def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[Plan
     for entry in entries:
         counts[_import_one(store, entry, accept, keep_existing)] += 1
     return ImportReport(**counts)
+
+
+def _read_bundle(path: str | os.PathLike[str]) -> bytes:
+    """The bundle file's bytes, after checking from `fstat` that it is a regular file under the cap
+    (a FIFO must not hang an import, nor a huge file exhaust memory before its header is checked)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptBundleError("not a regular file", path)
+        if st.st_size > MAX_BUNDLE_BYTES:
+            raise CorruptBundleError(f"{st.st_size} bytes is over the {MAX_BUNDLE_BYTES}-byte bundle cap", path)
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _import_one(store, entry: bytes, accept, keep_existing) -> str:

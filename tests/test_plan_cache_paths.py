@@ -155,3 +155,27 @@ def test_peek_is_read_only(store):
     peeked = store.peek(KEY_A)
     assert peeked.status == "ok" and peeked.record == _record() and stat.S_ISREG(peeked.stat.st_mode)
     assert os.stat(_path(store)).st_mtime_ns == before and store.stats()["hits"] == 0
+
+
+def test_bundle_import_refuses_fifos_and_oversize_files_before_reading(store, tmp_path, monkeypatch):
+    from plan_cache import bundle
+    from plan_cache.bundle import CorruptBundleError, import_bundle
+
+    fifo = tmp_path / "b.cgb"
+    os.mkfifo(fifo, 0o600)
+    err = _in_time(lambda: _raises(lambda: import_bundle(store, fifo)))
+    assert isinstance(err, CorruptBundleError) and "not a regular file" in str(err)
+    huge = tmp_path / "huge.cgb"
+    with open(huge, "wb") as f:
+        f.truncate(bundle.MAX_BUNDLE_BYTES + 1)
+    monkeypatch.setattr(os, "read", lambda *a: pytest.fail("an over-size bundle was read"))
+    with pytest.raises(CorruptBundleError, match="bundle cap"):
+        import_bundle(store, huge)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as err:  # handed back to the test thread, re-raised there
+        return err
+    return None
