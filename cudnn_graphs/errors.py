@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
+
+# Values in messages are shown bounded: a 5000-digit int or JSON nested 5000 deep must not make the
+# error itself fail (repr of a huge int raises) or drown the one line that names the field.
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 3, 120, 40, 120
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 8
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, bounded in depth and length."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an int of {value.bit_length()} bits>"
+    try:
+        return _SHOW.repr(value)
+    except Exception:  # a value whose own repr fails
+        return f"<{type(value).__name__}>"
 
 
 class CudnnGraphsError(Exception):
@@ -16,7 +33,7 @@ class SpecError(CudnnGraphsError, ValueError):
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"{field}={value!r}: {reason}")
+        super().__init__(f"{field}={shown(value)}: {reason}")
 
 
 class ConfigError(CudnnGraphsError, ValueError):

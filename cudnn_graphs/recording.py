@@ -47,8 +47,8 @@ class Recorder:
             self._refresh()
             if line in self._seen:
                 return False
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+            with open(self.path, "a+", encoding="utf-8") as f:
+                f.write(_separator(f) + line + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             self._seen.add(line)
@@ -72,17 +72,39 @@ class Recorder:
 
 def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
     """(file, line number, dict or None, error or None) for every non-blank, non-comment line of a
-    spec file ('-' reads standard input); the caller turns each dict into a spec and reports errors."""
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    spec file ('-' reads standard input); the caller turns each dict into a spec and reports errors.
+    A line that is not UTF-8, not JSON, nested too deep or holding an over-long number is an error on
+    that line, never an exception."""
+    stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     with stream:
-        for number, line in enumerate(stream, 1):
-            text = line.strip()
+        for number, raw in enumerate(stream, 1):
+            try:
+                text = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as err:
+                yield path, number, None, f"not UTF-8: byte {raw[err.start]:#04x} at column {err.start + 1}"
+                continue
             if not text or text.startswith("#"):
                 continue
             try:
                 yield path, number, json.loads(text), None
             except json.JSONDecodeError as err:
                 yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
+            except RecursionError:
+                yield path, number, None, "not a spec: JSON nested too deep"
+            except ValueError as err:  # e.g. an integer of more than 4300 digits
+                yield path, number, None, f"not a spec: {err}"
+
+
+def _separator(f) -> str:
+    """A newline when the file's last line has none (edited by hand, or a writer killed mid-line):
+    the next spec must not be glued to it."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return ""
+    f.buffer.seek(end - 1)
+    last = f.buffer.read(1)
+    f.seek(0, os.SEEK_END)
+    return "" if last == b"\n" else "\n"
 
 
 def spec_line(spec) -> str:
@@ -96,7 +118,7 @@ def _canonical(text: str) -> str | None:
         return None
     try:
         return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
-    except ValueError:  # a damaged line: warmup reports it; recording just does not match it
+    except (ValueError, RecursionError):  # a damaged line (deep nesting included): warmup reports it
         return None
 
 
@@ -126,6 +148,6 @@ def note(spec) -> None:
             continue
         try:
             recorder.note(spec)
-        except (OSError, TimeoutError) as err:  # recording must never stop the job it records
+        except Exception as err:  # recording must never stop the job it records: this file stops recording
             recorder.failed = True
             log.warning("record mode: cannot append to %s (%s); recording stops for this file", recorder.path, err)

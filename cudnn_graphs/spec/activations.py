@@ -45,7 +45,7 @@ class Activation:
             if param is not None:
                 raise SpecError("activation", self.name, f"{name} takes no parameter, got {param!r}")
         else:
-            param = default if param is None else _finite(f"activation.{param_name}", param)
+            param = default if param is None else finite_number(f"activation.{param_name}", param)
             if name == "softplus" and param <= 0:
                 raise SpecError("activation.beta", param, "softplus beta must be > 0")
         object.__setattr__(self, "name", name)
@@ -69,13 +69,17 @@ class Activation:
         return self.name if self.param is None else f"{self.name}({self.param_name}={self.param!r})"
 
 
-def _finite(field: str, value: Any) -> float:
+def finite_number(field: str, value: Any) -> float:
+    """`value` as a float when it is a finite real number (not a bool), else SpecError naming `field`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(field, value, "expected a real number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise SpecError(field, value, "must be finite")
-    return value + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
+        raise SpecError(field, value, "expected a finite real number")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        raise SpecError(field, value, "expected a finite real number (out of float range)") from None
+    if not math.isfinite(number):
+        raise SpecError(field, value, "expected a finite real number")
+    return number + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
 
 
 def as_activation(field: str, value: Any) -> Activation:

@@ -6,6 +6,7 @@ whatever the memory layout; layouts only decide strides.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
 from ..errors import SpecError
@@ -28,6 +29,17 @@ def _is_numpy_int(value: Any) -> bool:
     return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"
 
 
+# cuDNN takes int64 dims and strides; a conv parameter or dim beyond int32, or a tensor of more than
+# 2**62 elements (whose strides would overflow int64), describes no real convolution.
+MAX_DIM = 2**31 - 1
+MAX_ELEMENTS = 2**62
+
+
+def _bounded(field: str, value: Any, items: tuple[int, ...]) -> None:
+    if any(abs(v) > MAX_DIM for v in items):
+        raise SpecError(field, value, f"every value must be at most {MAX_DIM}")
+
+
 def shape(field: str, value: Any, *, rank: int | None = None) -> tuple[int, ...]:
     """A conv tensor shape: 3 to 5 positive ints (N, C and 1 to 3 spatial dims)."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -42,6 +54,9 @@ def shape(field: str, value: Any, *, rank: int | None = None) -> tuple[int, ...]
         raise SpecError(field, value, f"expected {rank} dims to match the other tensors")
     if any(d <= 0 for d in dims):
         raise SpecError(field, value, "every dim must be positive")
+    _bounded(field, value, dims)
+    if math.prod(dims) > MAX_ELEMENTS:
+        raise SpecError(field, value, f"more than {MAX_ELEMENTS} elements: strides would overflow int64")
     return dims
 
 
@@ -53,6 +68,7 @@ def per_dim(field: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]
     items = tuple(int(v) for v in items)
     if any(v < minimum for v in items):
         raise SpecError(field, value, f"every value must be >= {minimum}")
+    _bounded(field, value, items)
     return items
 
 
@@ -77,6 +93,7 @@ def padding(value: Any, *, nd: int, stride: tuple[int, ...], dilation: tuple[int
         pairs = tuple(_pair(value, item) for item in items)
     if any(p < 0 for pair in pairs for p in pair):
         raise SpecError("padding", value, "padding must be >= 0")
+    _bounded("padding", value, tuple(p for pair in pairs for p in pair))
     return pairs
 
 

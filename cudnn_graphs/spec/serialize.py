@@ -37,7 +37,9 @@ def spec_from_dict(data: Mapping[str, Any]):
     if not isinstance(data, Mapping):
         raise SpecError("spec", data, "expected a dict")
     schema = data.get("schema")
-    if schema != SPEC_SCHEMA_VERSION or isinstance(schema, bool):
+    if "schema" not in data:
+        raise SpecError("schema", None, f'missing: add "schema": {SPEC_SCHEMA_VERSION} to the spec')
+    if type(schema) is not int or schema != SPEC_SCHEMA_VERSION:  # 1.0 and True are not the schema 1
         raise SpecError("schema", schema, f"this version of cudnn-graphs reads spec schema {SPEC_SCHEMA_VERSION}")
     op = data.get("op")
     cls = SPEC_TYPES.get(op) if isinstance(op, str) else None

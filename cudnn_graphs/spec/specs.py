@@ -8,13 +8,12 @@ their signatures match.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 from ..errors import SpecError
 from . import dtypes, geometry
-from .activations import Activation, as_activation
+from .activations import Activation, as_activation, finite_number
 
 
 class TensorDesc(NamedTuple):
@@ -116,12 +115,6 @@ class _ConvSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _finite(field_name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpecError(field_name, value, "expected a finite real number")
-    return float(value) + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
-
-
 def _flag(field_name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise SpecError(field_name, value, "expected True or False")
@@ -152,8 +145,8 @@ class ConvFwdSpec(_ConvSpec):
         self._set("bias", _flag("bias", self.bias))
         self._set("residual", _flag("residual", self.residual))
         self._set("activation", as_activation("activation", self.activation))
-        self._set("alpha", _finite("alpha", self.alpha))
-        self._set("beta", _finite("beta", self.beta))
+        self._set("alpha", finite_number("alpha", self.alpha))
+        self._set("beta", finite_number("beta", self.beta))
         if not self.residual and self.beta != 1.0:
             raise SpecError("beta", self.beta, "beta scales the residual z: set residual=True or leave beta=1.0")
         self._set("y_shape", _output_shape(self, x, w, "x_shape"))
