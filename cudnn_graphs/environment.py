@@ -97,6 +97,27 @@ def _frontend_version() -> str:
     return metadata.version("nvidia-cudnn-frontend")
 
 
+def gpu_problem(device: int = 0) -> str | None:
+    """What keeps this process from planning on `device` (no driver, no GPU, no libcudnn), or None."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver (libcuda.so.1 cannot be loaded)"
+    status = cuda.cuInit(0)
+    if status != 0:
+        return f"the NVIDIA driver found no usable GPU (cuInit returned {status})"
+    count = ctypes.c_int(0)
+    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or device >= count.value:
+        return f"no CUDA device {device} (this machine has {count.value})"
+    from .execute import cudnn_backend
+
+    try:
+        cudnn_backend.lib()
+    except Exception as err:  # CudnnBackendError: no libcudnn anywhere the frontend would look
+        return f"libcudnn cannot be loaded ({err})"
+    return None
+
+
 # CUdevice_attribute values from cuda.h (stable since CUDA 2.x).
 _ATTR_SM_COUNT, _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 16, 75, 76
 

@@ -96,6 +96,19 @@ class CudaDriverError(CudnnGraphsError, RuntimeError):
         super().__init__(detail or f"{call} failed with CUresult {status}")
 
 
+class NoGpuError(CudnnGraphsError, RuntimeError):
+    """Planning or running needs an NVIDIA GPU with its driver and libcudnn, and this machine lacks one;
+    `reason` says which, the message what still works here and what to install."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        super().__init__(
+            f"no usable CUDA GPU: {reason}. Plans are built and run on a GPU; without one, "
+            "`cudnn-graphs check` and `cudnn-graphs warmup --dry-run` still validate specs and print their "
+            "signatures. On a GPU host: the NVIDIA driver, and `pip install 'cudnn-graphs[cu12]'` (or [cu13]) "
+            "for cuDNN and CuPy")
+
+
 class CudnnBackendError(CudnnGraphsError, RuntimeError):
     """A cuDNN backend call failed; carries the call's name, its cudnnStatus_t and cuDNN's message."""
 

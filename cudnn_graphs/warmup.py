@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .errors import CudnnGraphsError, SpecError, UnsupportedGraphError
+from .errors import CudnnGraphsError, NoGpuError, SpecError, UnsupportedGraphError
 from .recording import read_spec_file
 from .spec import spec_from_dict
 
@@ -72,6 +72,12 @@ def run_warmup(args) -> int:
     if args.dry_run:
         _dry_run(sources, args)
         return 1 if errors else 0
+    from .environment import gpu_problem
+
+    problem = gpu_problem(args.device)
+    if problem is not None:  # one message, not one driver error per spec
+        print(f"cudnn-graphs warmup: {NoGpuError(problem)}", file=sys.stderr)
+        return 2
     summary = _plan_all(sources, args)
     _print_summary(summary, args, bad_lines=len(errors))
     return 1 if errors or summary.counts["failed"] or summary.counts["unsupported"] else 0
@@ -110,6 +116,11 @@ def _plan_all(sources: list[SpecSource], args) -> Summary:
     session = Session(device=args.device, cache=args.cache, policy="autotune" if args.autotune else "heuristic",
                       autotune_limit=args.autotune_limit)
     if session.store is None:
+        from . import config
+
+        if args.cache is None and config.cache_disabled():
+            raise CudnnGraphsError(f"the plan cache is disabled ({config.DISABLE_CACHE} is set): a warm-up would "
+                                   f"keep nothing; unset it, or pass --cache DIR")
         raise CudnnGraphsError("the plan cache could not be opened (see the warning above); nothing would be kept")
     summary = Summary()
     for source in _progress(sources, args):

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .._version import __version__
+from ..errors import NoGpuError
 from ..plan.plan import UNPROBED
 from ..spec import TensorDesc, spec_from_dict
 
@@ -87,6 +88,8 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
         intermediates = {role: TensorDesc(tuple(s), tuple(st), dt) for role, (s, st, dt) in meta["intermediates"].items()}
         restored = [session._restore_part(spec, meta, i, entry, blobs, intermediates)
                     for i, entry in enumerate(meta["parts"])]
+    except NoGpuError:  # the machine, not the record: say so, and keep the record
+        raise
     except Exception as err:  # a record that passed its checksum but does not fit this code or this GPU
         log.warning("plan record %s unusable (%s); building anew", record.key[:16], err)
         return None

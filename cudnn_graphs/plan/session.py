@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import config
 from ..cache import keep_stored, load_plan, open_store, plan_to_record, rank
-from ..environment import environment
+from ..environment import environment, gpu_problem
 from ..execute import cudnn_backend, driver
-from ..errors import CudnnBackendError, UnsupportedGraphError
+from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
 from ..graph import ROLE_UIDS, build_graph, frontend, serialized
 from ..signature import signature
 from ..spec import dtypes
@@ -269,7 +269,12 @@ class Session:
         """
         return request._run(self, stream)
 
+    def _require_gpu(self) -> None:
+        if not self.env.has_gpu:  # say what is missing and what to do, not a driver error per spec
+            raise NoGpuError(gpu_problem(self.device) or "no GPU was found when this session started")
+
     def _build(self, spec, key: str, buffers: dict | None = None) -> Plan:
+        self._require_gpu()
         start = time.perf_counter()
         failures = []
         with driver.device(self.device):
@@ -293,6 +298,7 @@ class Session:
 
     def _restore_part(self, spec, meta: dict, i: int, entry: dict, blobs: list, intermediates: dict):
         """(part, how) for part `i` of a stored plan: "disk" when its blob loaded, "knobs" when rebuilt."""
+        self._require_gpu()
         if entry["kind"] == "kernel":
             index, function = entry.get("blob_index"), entry.get("function")
             cubin = blobs[index] if isinstance(index, int) and index < len(blobs) else None
