@@ -3,7 +3,8 @@
 Layout under `root` (every directory mode 0o700, every file 0o600):
 
     root/v1/<key[:2]>/<key>.rec       one record (format: plan_cache.record); its mtime is the last use
-    root/v1/<key[:2]>/.tmp-<pid>-<hex> a write in progress, or debris of a killed writer (swept once stale)
+    root/v1/<key[:2]>/.tmp-<host>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept
+                                      at the next scan when that pid is gone from this host, else once stale
     root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
     root/.evict.lock                  FileLock held only while evicting (.evict.softlock where flock fails)
 
@@ -386,14 +387,16 @@ class PlanStore:
         reason = self._unsafe_parents(path)
         if reason is not None:  # a linked fan-out directory would put the record outside the cache
             raise UntrustedCacheError(directory, reason)
-        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}",
+        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(8)}",
                      mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
 
     # --- eviction --------------------------------------------------------------------------------------------
 
     def _evict_if_over(self) -> None:
         try:
-            entries, _ = self._scan()  # unlocked first look: most puts leave the cache under its cap
+            # Unlocked first look (most puts leave the cache under its cap); it removes the temp files of
+            # writers on this host that died (killed mid-put), so they cannot pile up beside the cap.
+            entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
             if sum(e.size for e in entries) <= self._max_bytes:
                 return
             with self._eviction_lock() as held:
@@ -508,8 +511,10 @@ class PlanStore:
 
     @staticmethod
     def _remove_if_stale(path: str, before: float) -> int:
-        # mtime, not ctime: a live writer's temp keeps a fresh mtime while it writes, so it is never swept.
-        if os.lstat(path).st_mtime >= before:
+        """Remove a temp file whose writer is gone: a process of this host that no longer exists, or
+        (any host) no write for longer than the stale age. mtime, not ctime: a live writer's temp
+        keeps a fresh mtime while it writes, so it is never swept."""
+        if not _writer_is_dead(os.path.basename(path)) and os.lstat(path).st_mtime >= before:
             return 0
         try:
             os.unlink(path)
@@ -593,6 +598,34 @@ class PlanStore:
             counts = dict(self._counts)
         return {"entries": len(entries), "total_bytes": sum(e.size for e in entries), "max_bytes": self._max_bytes,
                 **counts}
+
+
+def _host_tag() -> str:
+    import socket
+
+    name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32]
+    return name or "host"
+
+
+_HOST = _host_tag()  # in temp names: a writer's pid only says something on its own host
+
+
+def _writer_is_dead(name: str) -> bool:
+    """Whether the temp file `name` (.tmp-<host>-<pid>-<hex>) belongs to a process of this host that
+    has exited. Unknown hosts, old-style names and any doubt say alive: the age rule sweeps those."""
+    parts = name[len(TEMP_PREFIX):].rsplit("-", 2)
+    if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists but not ours to signal, or a platform without kill(pid, 0)
+        return False
+    return False
 
 
 def _read_exactly(fd: int, size: int) -> bytes:

@@ -189,16 +189,14 @@ def test_writers_killed_mid_write_never_expose_partial_records(tmp_path):
     leftovers = _temp_files(root)
     assert leftovers, "no writer was killed inside a write"
     assert all(os.path.getsize(t) <= BIG + 4096 + 200 for t in leftovers)
-    assert PlanStore(root).verify()["removed_temp"] == 0  # fresh temps might be live writes: kept
-    assert set(_temp_files(root)) == set(leftovers)
+    # Their writers are dead processes of this host: swept at once, however fresh (a live writer's are kept:
+    # test_plan_cache_paths.py).
+    assert PlanStore(root).verify()["removed_temp"] == len(leftovers)
+    assert _temp_files(root) == []
 
-    sweeper = PlanStore(root, stale_temp_age=1.0)
-    old = time.time() - 5
-    for temp in leftovers:
-        os.utime(temp, (old, old))
+    sweeper = PlanStore(root)
     report = sweeper.verify()
-    assert report == {"ok": len(sweeper), "corrupt": 0, "untrusted": 0, "unreadable": 0,
-                      "removed_temp": len(leftovers)}
-    assert _temp_files(root) == [] and len(sweeper) >= 1
+    assert report == {"ok": len(sweeper), "corrupt": 0, "untrusted": 0, "unreadable": 0, "removed_temp": 0}
+    assert len(sweeper) >= 1
     for key in sweeper.keys():
         assert _problem(sweeper.get(key), key) is None

@@ -179,3 +179,31 @@ def _raises(fn):
     except Exception as err:  # handed back to the test thread, re-raised there
         return err
     return None
+
+
+def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from plan_cache import store as store_mod
+
+    store = PlanStore(tmp_path / "cache", max_bytes=1 << 20)
+    fan = _path(store).parent
+    fan.mkdir(mode=0o700)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    names = {"dead": f"{store_mod.TEMP_PREFIX}{store_mod._HOST}-{int(dead.stdout)}-00ff",
+             "live": f"{store_mod.TEMP_PREFIX}{store_mod._HOST}-{os.getppid()}-00ff",
+             "other host": f"{store_mod.TEMP_PREFIX}elsewhere-{int(dead.stdout)}-00ff",
+             "old style": f"{store_mod.TEMP_PREFIX}{int(dead.stdout)}-00ff"}
+    for name in names.values():
+        (fan / name).write_bytes(b"x" * 1000)
+    assert store.put(_record())  # a capped put scans, and sweeps what dead writers left
+    left = set(os.listdir(fan))
+    assert names["dead"] not in left
+    assert {names["live"], names["other host"], names["old style"]} <= left  # fresh and not provably dead
+    old = os.stat(fan / names["other host"]).st_mtime - 3600
+    for name in ("other host", "old style"):
+        os.utime(fan / names[name], (old, old))
+    assert PlanStore(store.root, stale_temp_age=60).verify()["removed_temp"] == 2  # the age rule: any host
+    assert set(os.listdir(fan)) == {names["live"], f"{KEY_A}.rec"}
