@@ -8,6 +8,7 @@ Looking at the cache (`ls`, `stats`, `verify`, `export`) never counts as a use o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from plan_cache import PlanRecord, PlanStore
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
-from .cache.policy import for_machine, keep_stored, verify_load
+from .cache.policy import importable, keep_stored, verify_load
 from .environment import NO_GPU, environment
 from .errors import CudnnGraphsError
 from .spec import SPEC_TYPES, spec_from_dict
@@ -97,10 +98,19 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
 
 
+_READ_ONLY = ("ls", "stats", "verify", "export")
+
+
 def run_cache(args: argparse.Namespace) -> int:
     """Run the parsed `cache` subcommand; the exit status."""
     try:
-        store = _open_store(getattr(args, "cache", None))
+        root = config.cache_dir() if getattr(args, "cache", None) is None else args.cache
+        if args.cache_command in _READ_ONLY and not os.path.lexists(root):  # looking must not create it
+            if args.cache_command == "export":
+                return _fail(f"no plan cache at {root}: nothing to export", 1)
+            print(f"no plan cache at {root} (nothing has been cached there yet)")
+            return 0
+        store = _open_store(root)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
         return _fail(f"{err}; nothing imported", 1)
@@ -115,9 +125,8 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _open_store(root: str | None) -> PlanStore:
-    path = config.cache_dir() if root is None else root
-    return PlanStore(path, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH)
+def _open_store(root) -> PlanStore:
+    return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH)
 
 
 # --- reading records without side effects --------------------------------------------------------------------
@@ -453,13 +462,14 @@ def _resolve_keys(store: PlanStore, wanted: list[str]) -> list[str]:
 
 def _import(store: PlanStore, args) -> int:
     env = None if args.all else environment(args.device)
-    accept = None if env is None else (lambda record: for_machine(record.meta, env))
+    accept = functools.partial(importable, env=env)
     try:
         report = import_bundle(store, args.file, accept=accept, keep_existing=keep_stored)
     except OSError as err:
         raise _Exit(f"cannot read {args.file}: {err.strerror or err}") from None
     print(_table(["IMPORT", "RECORDS"], [
-        ["imported", report.imported], ["skipped: made for another environment", report.skipped_rejected],
+        ["imported", report.imported], ["already stored, unchanged", report.unchanged],
+        ["skipped: for another environment, made with no GPU, or a key not its own", report.skipped_rejected],
         ["skipped: stored record kept (it was autotuned)", report.skipped_kept],
         ["corrupt entries", report.corrupt], ["not written (the log says why)", report.failed]], right=(1,)))
     if report.skipped_rejected:
@@ -468,6 +478,9 @@ def _import(store: PlanStore, args) -> int:
 
 
 def _foreign_note(env) -> str:
+    if env is None:  # --all: only records whose key is not their own are refused
+        return ("note: those records carry a key that is not the signature of their own spec and environment "
+                "(renamed, copied under another key, or forged): never imported")
     if not env.has_gpu:
         return (f"note: no GPU is visible here (gpu_name {NO_GPU!r}), so every record counts as made for another "
                 "environment; --all imports them anyway (to stage a cache for identical nodes)")

@@ -63,6 +63,7 @@ class ImportReport(NamedTuple):
     skipped_kept: int = 0  # keep_existing(new, old) kept the record already stored
     corrupt: int = 0  # entries that failed their own check
     failed: int = 0  # the store could not write them (disk full, over its cap; the store warned)
+    unchanged: int = 0  # the very same record was stored already: nothing written
 
 
 # --- the format ----------------------------------------------------------------------------------------------
@@ -172,6 +173,9 @@ def _import_one(store, entry: bytes, accept, keep_existing) -> str:
         return "corrupt"
     if accept is not None and not accept(record):
         return "skipped_rejected"
+    stored = store.peek(record.key)
+    if stored.status == "ok" and stored.record == record:  # importing a bundle twice writes nothing
+        return "unchanged"
     if keep_existing is None:
         return "imported" if store.put(record) else "failed"
     kept = False

@@ -52,6 +52,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a FIFO planted at a record path must not block
+# errno values that mean "this filesystem has no flock" (not "this attempt failed")
+_NO_FLOCK = {getattr(errno, name) for name in ("ENOSYS", "ENOTSUP", "EOPNOTSUPP", "ENOLCK") if hasattr(errno, name)}
 _COUNTERS = ("hits", "misses", "puts", "puts_skipped", "puts_kept_existing", "evictions", "corrupt", "untrusted")
 
 
@@ -437,6 +439,9 @@ class PlanStore:
             os.unlink(entry.path)
         except FileNotFoundError:
             return False
+        except OSError as err:  # a read-only disk, say: this record stays, the others are still tried
+            logger.warning("plan cache: cannot remove %s (%s)", entry.path, err)
+            return False
         return True
 
     def _eviction_lock(self) -> contextlib.AbstractContextManager[bool]:
@@ -462,6 +467,10 @@ class PlanStore:
             except filelock.Timeout:  # before OSError: Timeout is a TimeoutError
                 return self._lock_timed_out(lock)
             except (NotImplementedError, OSError) as err:
+                if isinstance(err, OSError) and err.errno not in _NO_FLOCK:
+                    # EACCES, EROFS, ENOSPC...: this attempt fails, the next one tries flock again
+                    logger.warning("plan cache: cannot take lock %s (%s); going on without it", name, err)
+                    return None
                 # No flock here (some network filesystems): an exclusively created lock file still serialises.
                 logger.info("plan cache: file locks unsupported under %s (%s); using a soft lock", self._root, err)
                 self._use_soft_lock = True
@@ -471,6 +480,9 @@ class PlanStore:
             return lock
         except filelock.Timeout:
             return self._lock_timed_out(lock)
+        except OSError as err:  # a read-only or full disk: no lock this time
+            logger.warning("plan cache: cannot take lock %s (%s); going on without it", name, err)
+            return None
 
     def _lock_timed_out(self, lock: filelock.BaseFileLock) -> None:
         what = "eviction skipped this time" if ".evict" in lock.lock_file else "going on without it"
@@ -518,7 +530,7 @@ class PlanStore:
             return 0
         try:
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:  # gone already, or a read-only disk: nothing to sweep now
             return 0
         return 1
 
@@ -566,11 +578,17 @@ class PlanStore:
     def clear(self) -> int:
         """Remove every record, stale temp file and quarantined file; the number of records removed."""
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
-        removed = 0
+        removed, failed = 0, None
         for entry in entries:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(entry.path)
                 removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as err:  # a read-only disk: report once, remove what can be removed
+                failed = failed or err
+        if failed is not None:
+            logger.warning("plan cache: %d record(s) could not be removed (%s)", len(entries) - removed, failed)
         if _unsafe_dir(self._quarantine) is None:  # never delete through a link or in a foreign directory
             for item in _scandir(self._quarantine):
                 with contextlib.suppress(OSError):

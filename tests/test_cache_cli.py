@@ -164,8 +164,30 @@ def test_stats(root, capsys):
 
 
 def test_stats_of_an_empty_cache(tmp_path, capsys):
+    PlanStore(tmp_path / "new")
     assert run(["stats", "--cache", str(tmp_path / "new")]) == 0
     assert "oldest -, newest -" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, code", [("ls", 0), ("stats", 0), ("verify", 0), ("export", 1)])
+def test_read_only_commands_never_create_the_cache(tmp_path, capsys, command, code):
+    absent = tmp_path / "absent"
+    argv = [command, str(tmp_path / "out.cgb")] if command == "export" else [command]
+    assert run([*argv, "--cache", str(absent)]) == code
+    captured = capsys.readouterr()
+    assert not absent.exists() and "no plan cache at" in captured.out + captured.err
+
+
+def test_importing_a_bundle_twice_writes_nothing_the_second_time(root, tmp_path, capsys):
+    bundle = tmp_path / "b.cgb"
+    run(["export", str(bundle), "--cache", str(root)])
+    dest = tmp_path / "dest"
+    assert run(["import", str(bundle), "--cache", str(dest), "--all"]) == 0
+    first = capsys.readouterr().out
+    assert run(["import", str(bundle), "--cache", str(dest), "--all"]) == 0
+    second = capsys.readouterr().out
+    assert _count(first, "imported") == 3 and _count(second, "imported") == 0
+    assert _count(second, "already stored, unchanged") == 3
 
 
 # --- verify --------------------------------------------------------------------------------------------------
@@ -325,7 +347,7 @@ def test_import_keeps_only_records_for_this_machine(root, tmp_path, capsys, on):
     other = tmp_path / "other"
     assert run(["import", str(bundle), "--cache", str(other)]) == 0
     out = capsys.readouterr().out
-    assert _count(out, "imported") == 2 and _count(out, "skipped: made for another environment") == 1
+    assert _count(out, "imported") == 2 and _count(out, "skipped: for another environment") == 1
     assert "another GPU" in out and "--all" in out
     assert keys(other) == sorted(make_record(s).key for s in SPECS[:2])
 
@@ -335,7 +357,7 @@ def test_import_without_gpu_says_why_everything_is_foreign(root, tmp_path, capsy
     run(["export", str(bundle), "--cache", str(root)])
     assert run(["import", str(bundle), "--cache", str(tmp_path / "other")]) == 0
     out = capsys.readouterr().out
-    assert _count(out, "imported") == 0 and _count(out, "skipped: made for another environment") == 3
+    assert _count(out, "imported") == 0 and _count(out, "skipped: for another environment") == 3
     assert "no GPU is visible here" in out and "--all" in out
 
 
@@ -404,3 +426,28 @@ def test_no_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         run([])
     assert exit_.value.code == 2
+
+
+def test_import_refuses_records_whose_key_is_not_their_own(tmp_path, capsys, on):
+    good = make_record(SPECS[0])
+    forged = PlanRecord(key=make_record(SPECS[1]).key, blob=good.blob, meta=good.meta)  # SPECS[0]'s plan under 1's key
+    src = PlanStore(tmp_path / "src")
+    src.put(good)
+    src.put(forged)
+    run(["export", str(tmp_path / "b.cgb"), "--cache", str(tmp_path / "src")])
+    on(H100)
+    for extra in ([], ["--all"]):
+        dest = tmp_path / f"dest{len(extra)}"
+        assert run(["import", str(tmp_path / "b.cgb"), "--cache", str(dest), *extra]) == 0
+        assert keys(dest) == [good.key], extra
+    assert _count(capsys.readouterr().out, "skipped: for another environment") == 1
+
+
+def test_import_of_records_made_with_no_gpu_needs_all(tmp_path, capsys):
+    src = PlanStore(tmp_path / "src")
+    src.put(make_record(SPECS[0], env=Environment()))  # the no-GPU fingerprint, as a machine without one has
+    run(["export", str(tmp_path / "b.cgb"), "--cache", str(tmp_path / "src")])
+    assert run(["import", str(tmp_path / "b.cgb"), "--cache", str(tmp_path / "d1")]) == 0
+    assert keys(tmp_path / "d1") == []
+    assert run(["import", str(tmp_path / "b.cgb"), "--cache", str(tmp_path / "d2"), "--all"]) == 0
+    assert len(keys(tmp_path / "d2")) == 1

@@ -207,3 +207,41 @@ def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_pat
         os.utime(fan / names[name], (old, old))
     assert PlanStore(store.root, stale_temp_age=60).verify()["removed_temp"] == 2  # the age rule: any host
     assert set(os.listdir(fan)) == {names["live"], f"{KEY_A}.rec"}
+
+
+def test_a_lock_refused_once_does_not_turn_the_store_to_soft_locks(store, monkeypatch, caplog):
+    import errno
+
+    import filelock
+
+    real_acquire = filelock.FileLock.acquire
+    calls = []
+
+    def refuse_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(filelock.FileLock, "acquire", refuse_once)
+    with caplog.at_level(logging.WARNING, logger="plan_cache"):
+        assert store.prune(1 << 30) == 0  # no lock this time: nothing evicted, a warning
+        store.prune(1 << 30)
+    assert "going on without it" in caplog.text and store._use_soft_lock is False and len(calls) == 2
+
+
+def test_prune_clear_and_verify_on_a_read_only_disk_warn_and_do_not_raise(store, monkeypatch, caplog):
+    import errno
+
+    for key in (KEY_A, KEY_B):
+        assert store.put(_record(key))
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    with caplog.at_level(logging.WARNING, logger="plan_cache"):
+        assert store.prune(0) == 0
+        assert store.clear() == 0
+        store.verify()
+    assert "Read-only" in caplog.text and len(store) == 2

@@ -34,6 +34,32 @@ def for_machine(meta: dict, env: Environment) -> bool:
     return isinstance(stored, dict) and machine_fields(stored) == machine_fields(env.to_dict())
 
 
+def key_matches(record: Any) -> bool:
+    """Whether a record's key is the signature of its own spec, environment and policy: a record renamed,
+    copied under another key or forged is not, and must never be served for that key."""
+    from ..signature import signature
+    from ..spec import spec_from_dict
+
+    meta = record.meta
+    try:
+        spec = spec_from_dict(meta["spec"])
+        env = Environment.from_dict(meta["environment"])
+        return signature(spec, env, policy=meta.get("policy") or None) == record.key
+    except Exception:  # a meta this version cannot read: not a record it can vouch for
+        return False
+
+
+def importable(record: Any, env: Environment | None) -> bool:
+    """What `cache import` takes: records whose key is their own, made on a GPU like this machine's
+    (`env`). `env=None` (`--all`) takes every record whose key is its own, wherever it was made."""
+    if not key_matches(record):
+        return False
+    if env is None:
+        return True
+    stored = record.meta.get("environment")
+    return isinstance(stored, dict) and stored.get("gpu_name") not in (None, "none") and for_machine(record.meta, env)
+
+
 def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -> tuple[str, str]:
     """(status, detail) of loading `record` on GPU `device`: "loads", "rebuilt" (a blob did not load but
     its engine id + knobs did), "foreign" (made on another kind of machine), or "unusable" (a session

@@ -29,8 +29,9 @@ class LoadOutcome(NamedTuple):
     rewrite: bool  # the record should be written again (a part was rebuilt)
 
 
-def plan_to_record(plan, *, env):
-    """The record for `plan` under its signature; parts whose engine cannot serialize store no blob."""
+def plan_to_record(plan, *, env, policy: dict | None = None):
+    """The record for `plan` under its signature; parts whose engine cannot serialize store no blob.
+    `policy`: the session settings in the signature (kept so an importer can recompute the key)."""
     from plan_cache import PlanRecord
 
     blobs, parts = [], []
@@ -42,7 +43,7 @@ def plan_to_record(plan, *, env):
         parts.append(entry)
     meta = {
         "schema": RECORD_SCHEMA, "library_version": __version__, "spec": plan.spec.to_dict(),
-        "environment": env.to_dict(), "fused": plan.fused, "acc_dtype": plan.acc_dtype,
+        "environment": env.to_dict(), "policy": dict(policy or {}), "fused": plan.fused, "acc_dtype": plan.acc_dtype,
         "intermediates": {role: [list(d.shape), list(d.strides), d.dtype] for role, d in plan.intermediates.items()},
         "parts": parts, "chosen_by": plan.chosen_by, "created": time.time(), "build_ms": plan.build_ms,
     }

@@ -242,7 +242,7 @@ class Session:
     def _store(self, plan: Plan) -> None:
         if self.store is None:
             return
-        record = plan_to_record(plan, env=self.env)
+        record = plan_to_record(plan, env=self.env, policy=self._policy)
         # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
         if self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
             self._count("disk_writes")
