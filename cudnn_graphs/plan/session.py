@@ -99,9 +99,7 @@ class Session:
         if max_workspace_bytes is not None and (isinstance(max_workspace_bytes, bool) or
                                                 not isinstance(max_workspace_bytes, int) or max_workspace_bytes < 0):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r}: expected None or an int >= 0")
-        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
-            raise ValueError(f"device={device!r}: expected None or a CUDA device ordinal >= 0")
-        self.device = 0 if device is None else device
+        self.device = device_ordinal(device)
         self.deterministic = bool(deterministic)
         self.allow_tf32 = bool(allow_tf32)
         self.max_workspace_bytes = max_workspace_bytes
@@ -500,6 +498,23 @@ def _build_first(g) -> int:
         except Exception as err:  # a declined engine: try the next one
             errors.append(f"[{index}] {err}")
     raise RuntimeError("no execution plan could be built: " + ("; ".join(errors[-3:]) or "empty plan list"))
+
+
+def device_ordinal(device: Any) -> int:
+    """A CUDA device as an ordinal: None (device 0), an int, "cuda", "cuda:N", or a torch.device."""
+    if device is None:
+        return 0
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return device
+    text = device if isinstance(device, str) else None
+    if type(device).__name__ == "device" and getattr(device, "type", None) == "cuda":  # torch.device
+        return 0 if device.index is None else int(device.index)
+    if text is not None:
+        kind, _, index = text.strip().partition(":")
+        if kind == "cuda" and (index == "" or index.isdigit()):
+            return int(index or 0)
+    raise ValueError(f"device={device!r}: expected None, a CUDA device ordinal >= 0, 'cuda', 'cuda:N' or a "
+                     "torch.device('cuda', N)")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -25,7 +25,16 @@ ACTIVATIONS: dict[str, tuple[str | None, float | None]] = {
     "tanh": (None, None),
     "softplus": ("beta", 1.0),
 }
-_ALIASES = {"none": "identity", "linear": "identity", "swish": "silu", "gelu_approx_tanh": "gelu_tanh"}
+_ALIASES = {"none": "identity", "linear": "identity", "swish": "silu", "gelu_approx_tanh": "gelu_tanh",
+            # torch.nn's class names, lower-cased
+            "leakyrelu": "leaky_relu"}
+# torch.nn activation modules: (our name, the attribute holding our parameter), found by class name so that
+# nothing here imports torch. Softplus's threshold is not modelled: ours is the exact softplus.
+_TORCH_MODULES = {"Identity": ("identity", None), "ReLU": ("relu", None), "LeakyReLU": ("leaky_relu", "negative_slope"),
+                  "ELU": ("elu", "alpha"), "GELU": ("gelu", None), "SiLU": ("silu", None),
+                  "Sigmoid": ("sigmoid", None), "Tanh": ("tanh", None), "Softplus": ("softplus", "beta")}
+# a parameter called by another name: which name is ours
+_PARAM_ALIASES = {"slope": "negative_slope", "negative_slope": "negative_slope", "alpha": "alpha", "beta": "beta"}
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ class Activation:
     param: float | None = None
 
     def __post_init__(self) -> None:
-        name = _ALIASES.get(self.name, self.name) if isinstance(self.name, str) else self.name
+        name = _canonical_name(self.name) if isinstance(self.name, str) else self.name
         if name not in ACTIVATIONS:
             raise SpecError("activation", self.name, f"unknown activation; expected one of {list(ACTIVATIONS)}")
         param_name, default = ACTIVATIONS[name]
@@ -82,6 +91,25 @@ def finite_number(field: str, value: Any) -> float:
     return number + 0.0  # -0.0 == 0.0 but would print (and so hash into signatures) differently
 
 
+def _canonical_name(name: str) -> str:
+    """Our name for an activation however spelled: relu, ReLU, LeakyReLU, leaky-relu, Swish ..."""
+    if name in ACTIVATIONS:
+        return name
+    key = name.lower().replace("-", "_")
+    return _ALIASES.get(key, _ALIASES.get(key.replace("_", ""), key))
+
+
+def _from_module(value: Any) -> Activation | None:
+    """The activation a torch.nn module instance is (nn.ReLU(), nn.LeakyReLU(0.1) ...), else None."""
+    found = _TORCH_MODULES.get(type(value).__name__) if type(value).__module__.startswith("torch") else None
+    if found is None:
+        return None
+    name, attr = found
+    if name == "gelu" and getattr(value, "approximate", "none") == "tanh":
+        name = "gelu_tanh"
+    return Activation(name, getattr(value, attr) if attr else None)
+
+
 def as_activation(field: str, value: Any) -> Activation:
     """Accept None, a name, an Activation, a (name, param) pair or a dict form."""
     try:
@@ -95,6 +123,9 @@ def as_activation(field: str, value: Any) -> Activation:
             return Activation(value[0], value[1])
         if isinstance(value, Mapping):
             return _from_mapping(value)
+        module = _from_module(value)
+        if module is not None:
+            return module
     except SpecError as err:
         raise SpecError(field, value, err.reason if err.field == "activation" else str(err)) from None
     raise SpecError(field, value, "expected an activation name, Activation, (name, param) or dict")
@@ -107,5 +138,8 @@ def _from_mapping(value: Mapping[str, Any]) -> Activation:
     act = Activation(name)
     extra = set(value) - {"name"} - ({act.param_name} if act.param_name else set())
     if extra:
-        raise SpecError("activation", value, f"unknown keys {sorted(extra)} for {act.name}")
+        hint = [f"{k!r} is called {act.param_name!r}" for k in extra
+                if act.param_name and _PARAM_ALIASES.get(k) == act.param_name]
+        takes = f"{act.name} takes {act.param_name!r}" if act.param_name else f"{act.name} takes no parameter"
+        raise SpecError("activation", value, f"unknown keys {sorted(extra)}: {takes}" + (f" ({hint[0]})" if hint else ""))
     return Activation(act.name, value.get(act.param_name)) if act.param_name else act

@@ -127,10 +127,23 @@ def conv_output_dims(in_dims, filter_dims, pads, stride, dilation) -> tuple[int,
     )
 
 
+# torch's memory formats, recognised by name so that nothing here imports torch
+_TORCH_FORMATS = {"torch.contiguous_format": CHANNELS_FIRST, "torch.channels_last": CHANNELS_LAST,
+                  "torch.channels_last_3d": CHANNELS_LAST}
+
+
 def canonical_layout(value: Any, rank: int) -> str:
-    key = value if isinstance(value, str) else None
+    """The layout named by `value`: channels_first / channels_last, a dim-order name in any case
+    (NCHW, nhwc, NDHWC ...), or torch's memory formats (torch.channels_last, torch.contiguous_format)."""
+    if type(value).__name__ == "memory_format" and str(value) in _TORCH_FORMATS:
+        return _TORCH_FORMATS[str(value)]
+    key = None
+    if isinstance(value, str):
+        key = value if value in _LAYOUT_ALIASES else (value.lower() if value.lower() in _LAYOUT_ALIASES
+                                                       else value.upper())
     if key not in _LAYOUT_ALIASES:
-        raise SpecError("layout", value, f"expected one of {list(_LAYOUT_ALIASES)}")
+        raise SpecError("layout", value, f"expected one of {list(_LAYOUT_ALIASES)} (any case), or a torch memory "
+                        "format")
     layout, alias_rank = _LAYOUT_ALIASES[key]
     if alias_rank is not None and alias_rank != rank:
         raise SpecError("layout", value, f"names a {alias_rank - 2}-D layout for {rank - 2}-D tensors")
