@@ -91,15 +91,24 @@ def _check(args) -> int:
     return 1 if failures else 0
 
 
+def _env(args) -> int:
+    """The fingerprint and every variable; a variable Session() would refuse is flagged, exit 1."""
+    problems = config.problems()
+    out = {"environment": environment(args.device).to_dict(), "config": config.describe(),
+           "config_errors": problems, "version": __version__,
+           "cache_dir": None if config.CACHE_DIR in problems else str(config.cache_dir())}
+    print(json.dumps(out, indent=2))
+    for message in problems.values():
+        print(f"cudnn-graphs: {message}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "env":
-            out = {"environment": environment(args.device).to_dict(), "config": config.describe(),
-                   "cache_dir": str(config.cache_dir()), "version": __version__}
-            print(json.dumps(out, indent=2))
-            return 0
+            return _env(args)
         if args.command == "check":
             return _check(args)
         if args.command == "cache":

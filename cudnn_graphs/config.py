@@ -132,6 +132,20 @@ def library_dirs() -> list[str]:
     return [d for d in (_raw("LD_LIBRARY_PATH") or "").split(os.pathsep) if d]
 
 
+def problems() -> dict[str, str]:
+    """{variable: the error its value gives} for every variable set to a value this library refuses:
+    what `cudnn-graphs env` reports before a Session() would raise it."""
+    checks = {CACHE_DIR: cache_dir, MEMORY_CACHE_SIZE: memory_cache_size, DISABLE_CACHE: cache_disabled,
+              CACHE_MAX_BYTES: cache_max_bytes, RECORD: record_path, POLICY: default_policy}
+    out = {}
+    for name, check in checks.items():
+        try:
+            check()
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
     return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY)}

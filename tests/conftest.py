@@ -33,6 +33,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A GPU test module skipped at import for want of torch says first that there is no GPU, when
+    there is none: that is the reason that matters on a CPU machine."""
+    outcome = yield
+    report = outcome.get_result()
+    name = getattr(collector, "path", None)
+    if report.skipped and name is not None and name.name.startswith("test_gpu_") and gpu_available():
+        path, line, reason = report.longrepr
+        report.longrepr = (path, line, f"{gpu_available()} (and {reason.removeprefix('Skipped: ')})")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """No test reads or writes the user's real cache."""

@@ -37,8 +37,12 @@ def test_env_prints_fingerprint_and_config(capsys, cache_dir):
 
 def test_env_reports_bad_config(capsys, monkeypatch):
     monkeypatch.setenv("CUDNN_GRAPHS_CACHE_DIR", "")
-    assert main(["env"]) == 2
-    assert "CUDNN_GRAPHS_CACHE_DIR" in capsys.readouterr().err
+    monkeypatch.setenv("CUDNN_GRAPHS_POLICY", "fastest")
+    assert main(["env"]) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert set(out["config_errors"]) == {"CUDNN_GRAPHS_CACHE_DIR", "CUDNN_GRAPHS_POLICY"}
+    assert out["cache_dir"] is None and "fastest" in captured.err and "CUDNN_GRAPHS_CACHE_DIR" in captured.err
 
 
 def test_check_reports_each_bad_line_and_keeps_going(tmp_path, capsys):

@@ -97,3 +97,18 @@ def test_record_mode_never_raises_into_the_job(tmp_path, monkeypatch, caplog):
         recording.note(GOOD)  # logged, not raised
         recording.note(GOOD)
     assert caplog.text.count("recording stops for this file") == 1
+
+
+@pytest.mark.parametrize("dtype, compute, says", [("float64", "float32", "float64 data takes float64 compute"),
+                                                  ("float16", "float64", "float64 compute needs float64 data")])
+def test_compute_dtype_errors_blame_the_right_side(dtype, compute, says):
+    with pytest.raises(SpecError, match=says):
+        cg.ConvFwdSpec((1, 2, 3, 3), (2, 2, 1, 1), dtype=dtype, compute_dtype=compute)
+
+
+def test_a_numpy_array_is_called_a_cpu_buffer():
+    np = pytest.importorskip("numpy")
+    from cudnn_graphs import BufferMismatchError
+
+    with pytest.raises(BufferMismatchError, match="CPU"):
+        cg.conv_fwd(np.ones((1, 2, 3, 3), np.float32), np.ones((2, 2, 1, 1), np.float32))

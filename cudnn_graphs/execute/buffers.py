@@ -94,10 +94,17 @@ def describe(obj: Any, role: str, *, stream: int | None = None) -> BufferInfo:
                               "__dlpack__ object, or an int device pointer", type(obj).__name__)
 
 
+# what a user calls the DLPack device types a buffer may come from (dlpack.h's DLDeviceType)
+_DLPACK_DEVICES = {1: "a CPU (host) buffer: copy it to the GPU first", 3: "a pinned host buffer (kDLCUDAHost): "
+                   "copy it to the GPU first", 4: "an OpenCL buffer", 7: "a Vulkan buffer", 8: "a Metal buffer",
+                   10: "a ROCm buffer", 14: "a oneAPI buffer"}
+
+
 def _from_dlpack(obj: Any, role: str, stream: int | None) -> BufferInfo:
     device_type, _ = dlpack.device_of(obj)
     if device_type not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
-        raise BufferMismatchError(role, "device", "a CUDA buffer", f"DLPack device type {device_type}")
+        raise BufferMismatchError(role, "device", "a CUDA buffer", _DLPACK_DEVICES.get(
+            device_type, f"a buffer on DLPack device type {device_type}"))
     # DLPack: 0 is ambiguous for CUDA, so the legacy default stream is spelled 1.
     v = dlpack.view(obj, stream=None if stream is None else (stream or 1))
     return BufferInfo(v.ptr, v.shape, v.strides, v.dtype, v.device_id, "dlpack", v.owner)

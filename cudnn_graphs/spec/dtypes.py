@@ -46,8 +46,9 @@ def check_compute_dtype(dtype: str, compute_dtype: str) -> None:
     # Reduced-precision accumulation (fp16 compute) loses accuracy no framework accepts for training.
     if compute_dtype not in (FLOAT32, FLOAT64):
         raise SpecError("compute_dtype", compute_dtype, "must be float32 or float64")
-    if (dtype == FLOAT64) != (compute_dtype == FLOAT64):
-        raise SpecError(
-            "compute_dtype", compute_dtype,
-            f"float64 compute goes with float64 data and only with it (dtype={dtype!r})",
-        )
+    if dtype == FLOAT64 and compute_dtype != FLOAT64:
+        raise SpecError("compute_dtype", compute_dtype, "float64 data takes float64 compute (cuDNN has no "
+                        "engine accumulating float64 data in float32): leave compute_dtype unset or pass 'float64'")
+    if dtype != FLOAT64 and compute_dtype == FLOAT64:
+        raise SpecError("compute_dtype", compute_dtype, f"float64 compute needs float64 data (dtype={dtype!r}): "
+                        "leave compute_dtype unset for float32 accumulation, or pass dtype='float64'")
