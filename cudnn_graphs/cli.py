@@ -32,6 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--no-graph", action="store_true", help="only validate specs, do not build graphs")
     _add_warmup_parser(sub)
     add_cache_parser(sub)
+    doctor_help = ("check this machine: GPU, driver, libcudnn, frontend, configuration, cache directory; "
+                   "exit 1 with the fix when something is wrong")
+    doctor = sub.add_parser("doctor", help=doctor_help, description=doctor_help[0].upper() + doctor_help[1:] + ".")
+    doctor.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
     return p
 
 
@@ -58,6 +62,8 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("--cache", metavar="DIR", help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user "
                    "cache dir)")
     w.add_argument("--dry-run", action="store_true", help="print specs and signatures only; needs no GPU")
+    w.add_argument("--emit", metavar="FILE", help="write the specs (spec files and preset) to FILE as JSON Lines "
+                   "for editing, then stop; needs no GPU")
     w.add_argument("--strict", action="store_true", help="stop at the first bad spec-file line")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -111,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _env(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "doctor":
+            from .doctor import run_doctor
+
+            return run_doctor(args)
         if args.command == "cache":
             return run_cache(args)
         if args.command == "warmup":

@@ -69,6 +69,8 @@ def run_warmup(args) -> int:
         print(message, file=sys.stderr)
     if args.strict and errors:
         return 1
+    if getattr(args, "emit", None):
+        return _emit(sources, args.emit, bad_lines=len(errors))
     if args.dry_run:
         _dry_run(sources, args)
         return 1 if errors else 0
@@ -81,6 +83,28 @@ def run_warmup(args) -> int:
     summary = _plan_all(sources, args)
     _print_summary(summary, args, bad_lines=len(errors))
     return 1 if errors or summary.counts["failed"] or summary.counts["unsupported"] else 0
+
+
+def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
+    """The specs as a spec file (one canonical JSON line each), written atomically, for editing."""
+    import os
+    import tempfile
+
+    from .recording import spec_line
+
+    text = "".join(spec_line(source.spec) + "\n" for source in sources)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=".emit-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    print(f"wrote {len(sources)} specs to {path}", file=sys.stderr)
+    return 1 if bad_lines else 0
 
 
 def _dry_run(sources: list[SpecSource], args) -> None:

@@ -112,3 +112,8 @@ def test_a_numpy_array_is_called_a_cpu_buffer():
 
     with pytest.raises(BufferMismatchError, match="CPU"):
         cg.conv_fwd(np.ones((1, 2, 3, 3), np.float32), np.ones((2, 2, 1, 1), np.float32))
+
+
+def test_shapes_written_in_nhwc_order_get_a_hint():
+    with pytest.raises(SpecError, match=r"channels-last order, try \(2, 8, 9, 9\)"):
+        cg.ConvFwdSpec((2, 9, 9, 8), (4, 8, 3, 3), layout="NHWC")

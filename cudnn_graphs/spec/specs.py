@@ -66,8 +66,12 @@ class _ConvSpec:
         if w_shape[0] % g:
             raise SpecError("groups", g, f"output channels K={w_shape[0]} do not divide by groups")
         if w_shape[1] * g != x_shape[1]:
+            hint = ""
+            if x_shape[-1] == w_shape[1] * g:  # channels in the last place: the shape was written in NHWC order
+                hint = (f"; shapes are logical (N, C, *spatial) whatever the layout: x_shape {x_shape} looks like "
+                        f"it is in channels-last order, try {(x_shape[0], x_shape[-1], *x_shape[1:-1])}")
             raise SpecError("w_shape", w_shape,
-                            f"w_shape[1] must be C/groups = {x_shape[1]}/{g} = {x_shape[1] // g}")
+                            f"w_shape[1] must be C/groups = {x_shape[1]}/{g} = {x_shape[1] // g}{hint}")
 
     def _normalize_dtypes(self) -> None:
         dtype = dtypes.canonical_dtype("dtype", self.dtype)

@@ -1,0 +1,94 @@
+"""`cudnn-graphs doctor`: what this machine has, what a first call would do, and the fix for what is wrong."""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Callable
+
+from . import config
+from .environment import environment, gpu_problem
+
+
+def run_doctor(args) -> int:
+    """Print one line per check (ok / warn / FAIL with the fix); exit 1 when any check fails."""
+    failed = 0
+    for name, check in _CHECKS:
+        status, detail = check(args)
+        failed += status == "FAIL"
+        print(f"{status:4s}  {name:14s} {detail}")
+    print("\nno problems found" if not failed else f"\n{failed} problem(s): fix them before the first call")
+    return 1 if failed else 0
+
+
+def _gpu(args) -> tuple[str, str]:
+    problem = gpu_problem(args.device)
+    if problem is not None:
+        return "FAIL", (f"{problem}. Fix: run on a GPU host with the NVIDIA driver; without one only "
+                        "`check` and `warmup --dry-run/--emit` work")
+    env = environment(args.device)
+    return "ok", (f"{env.gpu_name}, compute capability {env.compute_capability[0]}.{env.compute_capability[1]}, "
+                  f"{env.sm_count} SMs, driver {env.cuda_driver_version}")
+
+
+def _cudnn(args) -> tuple[str, str]:
+    from .execute import cudnn_backend
+
+    try:
+        version, runtime = cudnn_backend.version(), cudnn_backend.cudart_version()
+    except Exception as err:
+        return "FAIL", f"libcudnn not loadable ({err}). Fix: pip install 'cudnn-graphs[cu12]' (or [cu13])"
+    return "ok", f"libcudnn {version} (CUDA runtime {runtime}), loaded from {cudnn_backend.lib()._name}"
+
+
+def _frontend(args) -> tuple[str, str]:
+    version = environment(args.device).cudnn_frontend_version
+    if version == "none":
+        return "FAIL", "the cuDNN frontend is not installed. Fix: pip install 'nvidia-cudnn-frontend>=1.26,<1.29'"
+    return "ok", f"nvidia-cudnn-frontend {version} (imported only to build plans)"
+
+
+def _configuration(args) -> tuple[str, str]:
+    problems = config.problems()
+    if problems:
+        return "FAIL", "; ".join(problems.values())
+    set_ = {k: v for k, v in config.describe().items() if v is not None}
+    return "ok", ", ".join(f"{k}={v}" for k, v in set_.items()) or "defaults (no CUDNN_GRAPHS_* variable set)"
+
+
+def _cache(args) -> tuple[str, str]:
+    if config.CACHE_DIR in config.problems():
+        return "FAIL", "see configuration"
+    if config.cache_disabled():
+        return "warn", f"disabled by {config.DISABLE_CACHE}: every process builds its plans again"
+    root = config.cache_dir()
+    if not os.path.lexists(root):
+        parent = next((p for p in [root, *root.parents] if p.exists()), None)
+        writable = parent is not None and os.access(parent, os.W_OK)
+        return ("ok" if writable else "FAIL"), (f"{root} does not exist yet; the first plan creates it (0700)"
+                                                if writable else f"{root} cannot be created under {parent}")
+    st = os.stat(root)
+    problems = []
+    if not stat.S_ISDIR(st.st_mode):
+        problems.append("is not a directory")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        problems.append(f"is owned by uid {st.st_uid}, not by you")
+    if st.st_mode & 0o022:
+        problems.append(f"mode {oct(st.st_mode & 0o777)} lets group or others write")
+    if not os.access(root, os.W_OK):
+        problems.append("is not writable")
+    if problems:
+        return "FAIL", f"{root} {', '.join(problems)}. Fix: chmod 700 {root} (if yours) or set {config.CACHE_DIR}"
+    from plan_cache import PlanStore
+
+    try:
+        stats = PlanStore(root, touch_interval=1e12).stats()
+    except OSError as err:  # UntrustedCacheError names the directory and the fix
+        return "FAIL", str(err)
+    cap = config.cache_max_bytes()
+    return "ok", (f"{root}: {stats['entries']} records, {stats['total_bytes']} bytes"
+                  + (f" of a {cap}-byte cap" if cap else ", no cap") + "; a first call loads its plan from here")
+
+
+_CHECKS: list[tuple[str, Callable]] = [("GPU", _gpu), ("libcudnn", _cudnn), ("frontend", _frontend),
+                                       ("configuration", _configuration), ("plan cache", _cache)]

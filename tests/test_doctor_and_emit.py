@@ -1,0 +1,62 @@
+"""CPU: `cudnn-graphs doctor` reports each check with the fix and exits 1 on a problem; `warmup --emit`
+writes the specs it would plan as an editable spec file that reads back to the same specs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cudnn_graphs import config, spec_from_dict
+from cudnn_graphs.cli import main
+from cudnn_graphs.environment import gpu_problem
+from cudnn_graphs.recording import read_spec_file
+
+
+def _doctor(capsys) -> tuple[int, dict[str, str]]:
+    code = main(["doctor"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line[:4].strip() in ("ok", "warn", "FAIL")]
+    return code, {line[6:20].strip(): line[:4].strip() for line in lines}
+
+
+def test_doctor_lists_every_check(capsys, cache_dir):
+    code, status = _doctor(capsys)
+    assert set(status) == {"GPU", "libcudnn", "frontend", "configuration", "plan cache"}
+    assert status["configuration"] == "ok" and status["plan cache"] == "ok"
+    assert code == (1 if gpu_problem(0) else 0) and (status["GPU"] == "FAIL") == bool(gpu_problem(0))
+
+
+def test_doctor_flags_bad_settings_and_a_cache_others_can_write(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv(config.POLICY, "fastest")
+    _, status = _doctor(capsys)
+    assert status["configuration"] == "FAIL"
+    monkeypatch.delenv(config.POLICY)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    monkeypatch.setenv(config.CACHE_DIR, str(shared))
+    code, status = _doctor(capsys)
+    assert status["plan cache"] == "FAIL" and code == 1
+    monkeypatch.setenv(config.DISABLE_CACHE, "1")
+    _, status = _doctor(capsys)
+    assert status["plan cache"] == "warn"
+
+
+def test_warmup_emit_writes_an_editable_spec_file(tmp_path, capsys):
+    out = tmp_path / "resnet50.jsonl"
+    assert main(["warmup", "--preset", "resnet50", "--batch", "8", "--emit", str(out)]) == 0
+    rows = list(read_spec_file(str(out)))
+    specs = [spec_from_dict(data) for _, _, data, error in rows if error is None]
+    assert len(specs) == len(rows) == len(set(specs)) > 50 and all(s.x_shape[0] == 8 for s in specs
+                                                                    if hasattr(s, "x_shape"))
+    assert main(["warmup", str(out), "--emit", str(tmp_path / "again.jsonl")]) == 0
+    assert (tmp_path / "again.jsonl").read_text() == out.read_text()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".emit-")]
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--help"], ["warmup", "--help"]])
+def test_help_mentions_the_new_options(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    text = capsys.readouterr().out
+    assert ("--emit" in text) if argv[0] == "warmup" else ("fix" in text)
