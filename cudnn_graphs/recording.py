@@ -86,13 +86,18 @@ def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | Non
             if not text or text.startswith("#"):
                 continue
             try:
-                yield path, number, json.loads(text), None
+                data = json.loads(text)
             except json.JSONDecodeError as err:
                 yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
             except RecursionError:
                 yield path, number, None, "not a spec: JSON nested too deep"
             except ValueError as err:  # e.g. an integer of more than 4300 digits
                 yield path, number, None, f"not a spec: {err}"
+            else:
+                if isinstance(data, dict):
+                    yield path, number, data, None
+                else:
+                    yield path, number, None, f"not a spec: expected a JSON object, got {type(data).__name__}"
 
 
 def _separator(f) -> str:
