@@ -10,7 +10,7 @@ from typing import Sequence
 from . import config
 from ._version import __version__
 from .cache_cli import add_cache_parser, run_cache
-from .environment import environment
+from .environment import environment, environment_from_file
 from .errors import CudnnGraphsError, SpecError
 from .recording import read_spec_file
 from .signature import signature
@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="validate spec files (JSON Lines of spec.to_dict()), build their graphs, print signatures")
     check.add_argument("specfile", nargs="+", help="JSON Lines file; '-' reads standard input")
     check.add_argument("--no-graph", action="store_true", help="only validate specs, do not build graphs")
+    check.add_argument("--target-env", metavar="FILE", help="signatures for another machine: the JSON that "
+                       "`cudnn-graphs env` printed there")
     _add_warmup_parser(sub)
     add_cache_parser(sub)
     doctor_help = ("check this machine: GPU, driver, libcudnn, frontend, configuration, cache directory; "
@@ -62,6 +64,8 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("--cache", metavar="DIR", help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user "
                    "cache dir)")
     w.add_argument("--dry-run", action="store_true", help="print specs and signatures only; needs no GPU")
+    w.add_argument("--target-env", metavar="FILE", help="with --dry-run: signatures for another machine, from the "
+                   "JSON that `cudnn-graphs env` printed there")
     w.add_argument("--emit", metavar="FILE", help="write the specs (spec files and preset) to FILE as JSON Lines "
                    "for editing, then stop; needs no GPU")
     w.add_argument("--strict", action="store_true", help="stop at the first bad spec-file line")
@@ -82,7 +86,7 @@ def _check(args) -> int:
     from .graph import build_graph
 
     failures = 0
-    env = environment()
+    env = environment_from_file(args.target_env) if args.target_env else environment()
     for path, number, data, error in (item for f in args.specfile for item in read_spec_file(f)):
         try:
             if error is not None:

@@ -44,6 +44,24 @@ class Environment:
         return cls(**values)
 
 
+def environment_from_file(path: str) -> Environment:
+    """The Environment in a file `cudnn-graphs env` wrote on another machine (its whole JSON output, or
+    the "environment" object alone): signatures for that machine (`check`/`warmup --target-env`)."""
+    import json
+
+    from .errors import CudnnGraphsError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        data = data.get("environment", data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        return Environment.from_dict(data)
+    except (OSError, ValueError, TypeError, RecursionError) as err:
+        raise CudnnGraphsError(f"--target-env {path}: not the output of `cudnn-graphs env` ({err})") from None
+
+
 def environment(device: int | None = None, *, deterministic: bool = False, allow_tf32: bool = True) -> Environment:
     """The fingerprint of this process on `device` (default 0), with the session's flags."""
     base = _probe(0 if device is None else int(device))

@@ -64,6 +64,10 @@ def run_warmup(args) -> int:
     if not args.specfile and not args.preset:
         print("cudnn-graphs warmup: nothing to do: give spec files and/or --preset", file=sys.stderr)
         return 2
+    if getattr(args, "target_env", None) and not args.dry_run:
+        print("cudnn-graphs warmup: --target-env goes with --dry-run: plans are built for the machine they "
+              "run on", file=sys.stderr)
+        return 2
     sources, errors = collect(args)
     for message in errors:
         print(message, file=sys.stderr)
@@ -108,10 +112,10 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
 
 
 def _dry_run(sources: list[SpecSource], args) -> None:
-    from .environment import environment
+    from .environment import environment, environment_from_file
     from .signature import signature
 
-    env = environment(args.device)
+    env = environment_from_file(args.target_env) if getattr(args, "target_env", None) else environment(args.device)
     for source in sources:
         print(f"{signature(source.spec, env)[:16]}  {describe_spec(source.spec)}  ({source.where})")
     print(f"{len(sources)} specs; signatures for {env.gpu_name}, cuDNN {env.cudnn_backend_version}", file=sys.stderr)

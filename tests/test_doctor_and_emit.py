@@ -60,3 +60,25 @@ def test_help_mentions_the_new_options(argv, capsys):
         main(argv)
     text = capsys.readouterr().out
     assert ("--emit" in text) if argv[0] == "warmup" else ("fix" in text)
+
+
+def test_signatures_for_another_machine_from_its_env_output(tmp_path, capsys, fake_env):
+    import json
+
+    import cudnn_graphs as cg
+
+    spec = cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=1)
+    specs = tmp_path / "s.jsonl"
+    specs.write_text(json.dumps(spec.to_dict()) + "\n")
+    target = tmp_path / "h100.json"
+    target.write_text(json.dumps({"environment": fake_env.to_dict(), "config": {}}))
+    want = cg.signature(spec, fake_env)[:16]
+    assert main(["check", "--no-graph", "--target-env", str(target), str(specs)]) == 0
+    assert capsys.readouterr().out.startswith(want)
+    assert main(["warmup", "--dry-run", "--target-env", str(target), str(specs)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(want) and "NVIDIA H100" in captured.err
+    assert main(["warmup", "--target-env", str(target), str(specs)]) == 2  # plans are built where they run
+    target.write_text("[1, 2]")
+    assert main(["check", "--no-graph", "--target-env", str(target), str(specs)]) == 2
+    assert "not the output of `cudnn-graphs env`" in capsys.readouterr().err
