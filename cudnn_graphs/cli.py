@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="validate spec files (JSON Lines of spec.to_dict()), build their graphs, print signatures")
     check.add_argument("specfile", nargs="+", help="JSON Lines file; '-' reads standard input")
     check.add_argument("--no-graph", action="store_true", help="only validate specs, do not build graphs")
+    check.add_argument("--json", action="store_true", help="one JSON document: each line's signature or error")
     check.add_argument("--target-env", metavar="FILE", help="signatures for another machine: the JSON that "
                        "`cudnn-graphs env` printed there")
     _add_warmup_parser(sub)
@@ -70,6 +71,8 @@ def _add_warmup_parser(sub) -> None:
                    "for editing, then stop; needs no GPU")
     w.add_argument("--strict", action="store_true", help="stop at the first bad spec-file line")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.add_argument("--json", action="store_true", help="the summary (or, with --dry-run, every spec with its "
+                   "signature) as one JSON document")
 
 
 def _positive_int(text: str) -> int:
@@ -85,20 +88,30 @@ def _positive_int(text: str) -> int:
 def _check(args) -> int:
     from .graph import build_graph
 
-    failures = 0
+    rows = []
     env = environment_from_file(args.target_env) if args.target_env else environment()
     for path, number, data, error in (item for f in args.specfile for item in read_spec_file(f)):
+        row = {"file": path, "line": number}
         try:
             if error is not None:
                 raise SpecError("line", number, error)
             spec = spec_from_dict(data)
             if not args.no_graph:
                 build_graph(spec)
-            print(f"{signature(spec, env)[:16]}  {spec.op:16s} {path}:{number}")
+            row.update(op=spec.op, signature=signature(spec, env))
+            if not args.json:
+                print(f"{row['signature'][:16]}  {spec.op:16s} {path}:{number}")
         except CudnnGraphsError as err:
-            failures += 1
-            print(f"{path}:{number}: {type(err).__name__}: {err}", file=sys.stderr)
-    return 1 if failures else 0
+            row.update(error=f"{type(err).__name__}: {err}")
+            if not args.json:
+                print(f"{path}:{number}: {row['error']}", file=sys.stderr)
+        rows.append(row)
+    failed = sum("error" in row for row in rows)
+    if args.json:
+        print(json.dumps({"ok": len(rows) - failed, "failed": failed, "specs": rows}, indent=1))
+    else:
+        print(f"checked {len(rows)} spec(s): {len(rows) - failed} ok, {failed} failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _env(args) -> int:

@@ -116,26 +116,39 @@ def _dry_run(sources: list[SpecSource], args) -> None:
     from .signature import signature
 
     env = environment_from_file(args.target_env) if getattr(args, "target_env", None) else environment(args.device)
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps({"environment": env.to_dict(), "specs": [
+            {"signature": signature(s.spec, env), "where": s.where, "spec": s.spec.to_dict()} for s in sources]},
+            indent=1))
+        return
     for source in sources:
         print(f"{signature(source.spec, env)[:16]}  {describe_spec(source.spec)}  ({source.where})")
     print(f"{len(sources)} specs; signatures for {env.gpu_name}, cuDNN {env.cudnn_backend_version}", file=sys.stderr)
 
 
 def describe_spec(spec) -> str:
-    """One line: op, shapes, dtype, layout and epilogue."""
+    """One line with every parameter: op, shapes, stride, padding, dilation, groups, dtypes, layout, epilogue."""
     t = spec.tensors()
     roles = {"conv_fwd": ("x", "w"), "conv_bwd_data": ("dy", "w"), "conv_bwd_filter": ("x", "dy")}[spec.op]
     shapes = " ".join(f"{r}={'x'.join(map(str, t[r].shape))}" for r in roles)
-    extra = []
-    for name in ("bias", "residual", "bias_grad"):
-        if getattr(spec, name, False):
-            extra.append(name)
+    extra = [name for name in ("bias", "residual", "bias_grad") if getattr(spec, name, False)]
     for name in ("activation", "activation_backward"):
         act = getattr(spec, name, None)
         if act is not None and not act.is_identity:
-            extra.append(act.name)
-    stride = f" s{spec.stride[0]}" if any(s != 1 for s in spec.stride) else ""
-    return f"{spec.op:16s} {shapes}{stride} {spec.dtype} {spec.layout}" + (f" +{'+'.join(extra)}" if extra else "")
+            extra.append(str(act))
+    for name in ("alpha", "beta"):
+        if getattr(spec, name, 1.0) != 1.0:
+            extra.append(f"{name}={getattr(spec, name)}")
+    pads = ",".join(str(pre) if pre == post else f"{pre}/{post}" for pre, post in spec.padding)
+    geometry = (f"s{','.join(map(str, spec.stride))} p{pads} d{','.join(map(str, spec.dilation))} g{spec.groups}")
+    numerics = spec.dtype + (f"/{spec.compute_dtype}" if spec.compute_dtype != "float32" else "")
+    if spec.dtype == "float32":
+        numerics += " tf32" if spec.allow_tf32 else " no-tf32"
+    explicit = " strides=" + ",".join(role for role, _ in spec.strides) if spec.strides else ""
+    return (f"{spec.op:16s} {shapes} {geometry} {numerics} {spec.layout}{explicit}"
+            + (f" +{'+'.join(extra)}" if extra else ""))
 
 
 def _plan_all(sources: list[SpecSource], args) -> Summary:
@@ -187,6 +200,13 @@ def _progress(items: list, args) -> Iterator:
 
 
 def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps({"counts": summary.counts, "seconds": {k: round(v, 3) for k, v in summary.seconds.items()},
+                          "bad_lines": bad_lines, "problems": [{"where": w, "outcome": o, "message": m}
+                                                               for w, o, m in summary.problems]}, indent=1))
+        return
     rows = [(name, summary.counts[name], f"{summary.seconds[name]:.2f}") for name in OUTCOMES]
     total = (sum(summary.counts.values()), f"{sum(summary.seconds.values()):.2f}")
     width = max(len(r[0]) for r in rows)

@@ -82,3 +82,22 @@ def test_signatures_for_another_machine_from_its_env_output(tmp_path, capsys, fa
     target.write_text("[1, 2]")
     assert main(["check", "--no-graph", "--target-env", str(target), str(specs)]) == 2
     assert "not the output of `cudnn-graphs env`" in capsys.readouterr().err
+
+
+def test_check_and_warmup_speak_json(tmp_path, capsys):
+    import json
+
+    import cudnn_graphs as cg
+
+    good = cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=1)
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps(good.to_dict()) + "\n{broken\n")
+    assert main(["check", "--no-graph", "--json", str(path)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["ok"], doc["failed"]) == (1, 1) and doc["specs"][0]["signature"] == cg.signature(good)
+    assert "not JSON" in doc["specs"][1]["error"] and doc["specs"][1]["line"] == 2
+    assert main(["check", "--no-graph", str(path)]) == 1
+    assert "checked 2 spec(s): 1 ok, 1 failed" in capsys.readouterr().err
+    assert main(["warmup", "--preset", "resnet50", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["specs"]) == 69 and cg.spec_from_dict(doc["specs"][0]["spec"])
