@@ -17,6 +17,7 @@ DISABLE_CACHE = "CUDNN_GRAPHS_DISABLE_CACHE"
 CACHE_MAX_BYTES = "CUDNN_GRAPHS_CACHE_MAX_BYTES"
 RECORD = "CUDNN_GRAPHS_RECORD"
 POLICY = "CUDNN_GRAPHS_POLICY"
+SYSTEM_CACHE_DIR = "CUDNN_GRAPHS_SYSTEM_CACHE_DIR"
 POLICIES = ("heuristic", "autotune")
 
 DEFAULT_MEMORY_CACHE_SIZE = 1024
@@ -68,6 +69,18 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("cudnn-graphs", appauthor=False))
+
+
+def system_cache_dir() -> Path | None:
+    """$CUDNN_GRAPHS_SYSTEM_CACHE_DIR: a read-only plan cache a team shares (consulted after the user's), or None."""
+    raw = _raw(SYSTEM_CACHE_DIR)
+    if raw is None or raw.strip() == "":
+        return None
+    path = Path(raw).expanduser()
+    if not path.is_dir():
+        raise ConfigError(SYSTEM_CACHE_DIR, raw, "is not an existing directory (fill it with `cudnn-graphs cache "
+                          "import FILE --cache DIR` as its owner)")
+    return path
 
 
 def memory_cache_size() -> int:
@@ -136,7 +149,8 @@ def problems() -> dict[str, str]:
     """{variable: the error its value gives} for every variable set to a value this library refuses:
     what `cudnn-graphs env` reports before a Session() would raise it."""
     checks = {CACHE_DIR: cache_dir, MEMORY_CACHE_SIZE: memory_cache_size, DISABLE_CACHE: cache_disabled,
-              CACHE_MAX_BYTES: cache_max_bytes, RECORD: record_path, POLICY: default_policy}
+              CACHE_MAX_BYTES: cache_max_bytes, RECORD: record_path, POLICY: default_policy,
+              SYSTEM_CACHE_DIR: system_cache_dir}
     out = {}
     for name, check in checks.items():
         try:
@@ -148,4 +162,5 @@ def problems() -> dict[str, str]:
 
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
-    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY)}
+    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY,
+                                          SYSTEM_CACHE_DIR)}

@@ -86,11 +86,13 @@ def _euid() -> int | None:
     return getter() if getter is not None else None
 
 
-def _distrust(st: os.stat_result) -> str | None:
-    """Why a file or directory with this stat must not be trusted, or None if it may be."""
+def _distrust(st: os.stat_result, *, root_may_own: bool = False) -> str | None:
+    """Why a file or directory with this stat must not be trusted, or None if it may be. `root_may_own`:
+    a system cache, which root (or the user) owns and nobody else can write."""
     uid = _euid()
-    if uid is not None and st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if uid is not None and st.st_uid != uid and not (root_may_own and st.st_uid == 0):
+        owners = "the current user or root" if root_may_own else "the current user"
+        return f"owned by uid {st.st_uid}, not by {owners} (uid {uid})"
     if os.name == "posix" and st.st_mode & 0o022:
         return f"mode {stat.filemode(st.st_mode)} ({oct(st.st_mode & 0o777)}) lets group or others write"
     return None
@@ -114,7 +116,18 @@ def _trusted_dir(path: Path, *, follow: bool = False) -> None:
         raise UntrustedCacheError(path, reason)
 
 
-def _unsafe_dir(path: str | Path) -> str | None:
+def _trusted_existing_dir(path: Path) -> None:
+    """A read-only tier's root: it must exist, be a directory, be owned by the user or root, and be
+    writable by nobody else (a group-writable team directory is refused too)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "plan cache path is not a directory", os.fspath(path))
+    reason = _distrust(st, root_may_own=True)
+    if reason is not None:
+        raise UntrustedCacheError(path, reason)
+
+
+def _unsafe_dir(path: str | Path, *, root_may_own: bool = False) -> str | None:
     """Why a directory under the root must not be read, written or deleted through (a link, not a
     directory, or not ours alone), else None; a missing one is not unsafe."""
     try:
@@ -125,7 +138,7 @@ def _unsafe_dir(path: str | Path) -> str | None:
         return "is a symbolic link"
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
-    return _distrust(st)
+    return _distrust(st, root_may_own=root_may_own)
 
 
 def _number(name: str, value: Any, *, allow_none: bool = False) -> Any:
@@ -157,7 +170,8 @@ class PlanStore:
     """
 
     def __init__(self, root: str | os.PathLike[str], *, max_bytes: int | None = None, lock_timeout: float = 10.0,
-                 stale_temp_age: float = STALE_TEMP_AGE, touch_interval: float = TOUCH_INTERVAL):
+                 stale_temp_age: float = STALE_TEMP_AGE, touch_interval: float = TOUCH_INTERVAL,
+                 read_only: bool = False):
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)):
             raise TypeError(f"max_bytes: expected int or None, got {type(max_bytes).__name__}")
         if max_bytes is not None and max_bytes <= 0:
@@ -172,6 +186,10 @@ class PlanStore:
         self._use_soft_lock = False
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts_lock = threading.Lock()
+        self._read_only = bool(read_only)
+        if self._read_only:  # a shared system tier: never created, written, touched or quarantined in
+            _trusted_existing_dir(self._root)
+            return
         _trusted_dir(self._root, follow=True)
         _trusted_dir(self._records)
 
@@ -212,6 +230,13 @@ class PlanStore:
         """The record stored under `key`, or None when absent, corrupt or untrusted (never raises for those)."""
         validate_key(key)
         path = self._record_path(key)
+        if self._read_only:
+            peeked = self._read(path, key)
+            if peeked.status not in ("ok", "missing"):
+                logger.warning("plan cache: %s record %s in the read-only cache %s (%s); treated as a miss",
+                               peeked.status, path.name, self._root, peeked.reason)
+            self._count("hits" if peeked.status == "ok" else "misses")
+            return peeked.record
         loaded = self._load(path, key)
         if loaded.status != "ok":
             self._count("misses")
@@ -253,7 +278,7 @@ class PlanStore:
             return Peeked("unreadable", None, None, str(err))
         try:
             st = os.fstat(fd)  # type, owner and size are checked before a byte is read
-            status, reason = self._refusal(st)
+            status, reason = self._refusal(st, root_may_own=self._read_only)
             data = _read_exactly(fd, st.st_size) if status is None else b""
         except OSError as err:
             return Peeked("unreadable", None, None, str(err))
@@ -270,17 +295,17 @@ class PlanStore:
     def _unsafe_parents(self, path: Path) -> str | None:
         """Why the directories between the root and `path` must not be used, else None."""
         for directory in (self._records, path.parent):
-            reason = _unsafe_dir(directory)
+            reason = _unsafe_dir(directory, root_may_own=self._read_only)
             if reason is not None:
                 return f"directory {os.fspath(directory)} {reason}"
         return None
 
     @staticmethod
-    def _refusal(st: os.stat_result) -> tuple[str | None, str]:
+    def _refusal(st: os.stat_result, *, root_may_own: bool = False) -> tuple[str | None, str]:
         """(status, reason) for a record file that must not be read, else (None, "")."""
         if not stat.S_ISREG(st.st_mode):
             return "untrusted", "not a regular file"
-        reason = _distrust(st)
+        reason = _distrust(st, root_may_own=root_may_own)
         if reason is not None:  # deserialising a plan loads native code: never from a file others control
             return "untrusted", reason
         if st.st_size > MAX_RECORD_BYTES:
@@ -347,6 +372,10 @@ class PlanStore:
         `keep_existing(old)`: when given, it is asked about the record already stored (read under a lock
         that every conditional writer takes) and True keeps the old record; `put` then returns False.
         """
+        if self._read_only:
+            self._count("puts_skipped")
+            logger.warning("plan cache: %s is read-only here; record %s not stored", self._root, record.key)
+            return False
         data = encode(record)
         limit = min(self._max_bytes or MAX_RECORD_BYTES, MAX_RECORD_BYTES)
         if len(data) > limit:

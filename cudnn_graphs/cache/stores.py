@@ -11,6 +11,20 @@ from .. import config
 log = logging.getLogger("cudnn_graphs")
 
 
+def open_system_store():
+    """$CUDNN_GRAPHS_SYSTEM_CACHE_DIR as a read-only store, or None (unset, or refused with one warning)."""
+    from plan_cache import PlanStore
+
+    root = config.system_cache_dir()
+    if root is None:
+        return None
+    try:
+        return PlanStore(root, read_only=True, touch_interval=1e12)
+    except OSError as err:  # UntrustedCacheError: group-writable, foreign-owned ...
+        log.warning("plan cache: the system cache %s is not used: %s", root, err)
+        return None
+
+
 def open_store(cache: Any):
     """`None`: the configured default; `False`: memory only; a path; or a `PlanStore` used as is.
 

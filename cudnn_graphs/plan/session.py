@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import config
-from ..cache import keep_stored, load_plan, open_store, plan_to_record, rank
+from ..cache import keep_stored, load_plan, open_store, open_system_store, plan_to_record, rank
 from ..environment import environment, gpu_problem
 from ..execute import cudnn_backend, driver
 from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
@@ -107,6 +107,8 @@ class Session:
         self.env = environment(self.device, deterministic=self.deterministic, allow_tf32=self.allow_tf32)
         self.handles = HandlePool(self.device)
         self.store = open_store(cache)
+        # A team's read-only tier, consulted after the user's (unless this session keeps no cache at all).
+        self.system_store = open_system_store() if cache is not False else None
         self._memory: OrderedDict[Any, Plan] = OrderedDict()  # LRU by spec: equal specs have equal signatures
         self._memory_size = config.memory_cache_size()
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -195,7 +197,7 @@ class Session:
             if spec in self._memory:
                 return "in_memory"
             key = self.signature(spec)
-            if self.store is None or not self.store.path_of(key).exists():
+            if not any(store is not None and store.path_of(key).exists() for store in (self.store, self.system_store)):
                 return "missing"
             with driver.device(self.device):  # a background thread starts with no current device
                 plan = self._load_stored(spec, key)
@@ -222,6 +224,8 @@ class Session:
     def _load_stored(self, spec, key: str) -> Plan | None:
         """The plan stored under `key`, or None when there is none this session may use."""
         record = self.store.get(key) if self.store is not None else None
+        if record is None and self.system_store is not None:
+            record = self.system_store.get(key)
         if record is not None and self.policy == "autotune" and rank(record.meta) == 0:
             return None  # a heuristic choice: tune it now and upgrade the record
         if record is None:
