@@ -506,7 +506,7 @@ def test_record_owned_by_another_user_is_refused_unread(store, caplog, monkeypat
     uid = _record_path(store, KEY_A).stat().st_uid
     monkeypatch.setattr(store_mod, "_euid", lambda: uid + 1)
     # Only the record is foreign here: the directories' own checks have their tests (test_plan_cache_paths.py).
-    monkeypatch.setattr(store_mod, "_unsafe_dir", lambda path: None)
+    monkeypatch.setattr(store_mod, "_unsafe_dir", lambda path, **kwargs: None)
     monkeypatch.setattr(store_mod, "decode", lambda *a, **k: pytest.fail("untrusted record deserialised"))
     _assert_quarantined_miss_untrusted(store, caplog, f"owned by uid {uid}")
 
