@@ -53,10 +53,12 @@ def _add_warmup_parser(sub) -> None:
                    "'-' reads standard input")
     w.add_argument("--preset", choices=PRESETS, help="a network's conv layers: forward, dgrad and wgrad")
     w.add_argument("--batch", type=_positive_int, default=32, help="preset batch size (default 32)")
-    w.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32", "float64"),
-                   help="preset dtype (default float16)")
-    w.add_argument("--layout", default="channels_last", choices=("channels_last", "channels_first"),
-                   help="preset memory layout (default channels_last)")
+    w.add_argument("--dtype", default="float16", type=_dtype_arg,
+                   help="preset dtype, any spelling the API takes: float16/half/fp16, bfloat16/bf16, float32, "
+                   "float64 (default float16)")
+    w.add_argument("--layout", default="channels_last", type=_layout_arg,
+                   help="preset memory layout: channels_last/NHWC or channels_first/NCHW, any case "
+                   "(default channels_last)")
     w.add_argument("--autotune", action="store_true",
                    help="time every candidate plan and store the fastest (upgrades heuristic records)")
     w.add_argument("--autotune-limit", type=_positive_int, default=None, metavar="N",
@@ -73,6 +75,26 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--json", action="store_true", help="the summary (or, with --dry-run, every spec with its "
                    "signature) as one JSON document")
+
+
+def _dtype_arg(text: str) -> str:
+    """--dtype through the API's own alias table."""
+    from .spec import dtypes
+
+    try:
+        return dtypes.canonical_dtype("--dtype", text)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(err.reason) from None
+
+
+def _layout_arg(text: str) -> str:
+    """--layout through the API's own alias table (a preset's convs are 2-D)."""
+    from .spec import geometry
+
+    try:
+        return geometry.canonical_layout(text, 4)
+    except SpecError as err:
+        raise argparse.ArgumentTypeError(err.reason) from None
 
 
 def _positive_int(text: str) -> int:

@@ -65,3 +65,17 @@ def test_the_readme_spec_file_example_parses():
     lines = block[:block.index("```")].strip().splitlines()
     assert [cg.spec_from_dict(json.loads(line)).op for line in lines] == ["conv_fwd", "conv_bwd_data",
                                                                           "conv_bwd_filter"]
+
+
+@pytest.mark.parametrize("dtype, layout", [("half", "NHWC"), ("fp16", "nhwc"), ("bf16", "channels_last"),
+                                           ("float32", "NCHW")])
+def test_the_cli_takes_the_same_spellings(dtype, layout, capsys):
+    from cudnn_graphs.cli import main
+
+    assert main(["warmup", "--preset", "resnet50", "--batch", "2", "--dtype", dtype, "--layout", layout,
+                 "--dry-run", "--json"]) == 0
+    import json
+
+    specs = [cg.spec_from_dict(s["spec"]) for s in json.loads(capsys.readouterr().out)["specs"]]
+    assert {s.dtype for s in specs} == {cg.ConvFwdSpec(X, W, dtype=dtype).dtype}
+    assert {s.layout for s in specs} == {cg.ConvFwdSpec(X, W, layout=layout).layout}
