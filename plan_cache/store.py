@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import os
@@ -418,7 +419,7 @@ class PlanStore:
         reason = self._unsafe_parents(path)
         if reason is not None:  # a linked fan-out directory would put the record outside the cache
             raise UntrustedCacheError(directory, reason)
-        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(8)}",
+        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}",
                      mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
 
     # --- eviction --------------------------------------------------------------------------------------------
@@ -647,21 +648,21 @@ class PlanStore:
                 **counts}
 
 
-def _host_tag() -> str:
+@functools.lru_cache(maxsize=1)
+def _host() -> str:
+    """This host's name as temp names carry it (a writer's pid only says something on its own host);
+    asked on the first write, so a process that only reads never imports socket."""
     import socket
 
     name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32]
     return name or "host"
 
 
-_HOST = _host_tag()  # in temp names: a writer's pid only says something on its own host
-
-
 def _writer_is_dead(name: str) -> bool:
     """Whether the temp file `name` (.tmp-<host>-<pid>-<hex>) belongs to a process of this host that
     has exited. Unknown hosts, old-style names and any doubt say alive: the age rule sweeps those."""
     parts = name[len(TEMP_PREFIX):].rsplit("-", 2)
-    if len(parts) != 3 or parts[0] != _HOST or not parts[1].isdigit():
+    if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit():
         return False
     pid = int(parts[1])
     if pid == os.getpid():
