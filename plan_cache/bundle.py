@@ -17,6 +17,7 @@ Knows nothing of cuDNN: which records to accept and which stored record to keep 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import stat
@@ -131,20 +132,21 @@ def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[Plan
     None replaces it. Raises OSError when the file cannot be read and CorruptBundleError when it fails its
     outer check; in both cases nothing is written. An entry that fails its own check is counted in `corrupt`.
     """
-    data = _read_bundle(path)
-    try:
-        entries = unpack_bundle(data)
-    except CorruptBundleError as err:
-        raise CorruptBundleError(err.reason, path) from None
-    counts = dict.fromkeys(ImportReport._fields, 0)
-    for entry in entries:
-        counts[_import_one(store, entry, accept, keep_existing)] += 1
+    with _open_bundle(path) as file:
+        # Streamed, a record at a time: the outer check and the payload's shape are verified in full
+        # passes before the first record is written, and memory holds one record, not the bundle.
+        _check_stream(file, path)
+        for _ in _stream_entries(file, path):
+            pass
+        counts = dict.fromkeys(ImportReport._fields, 0)
+        for entry in _stream_entries(file, path):
+            counts[_import_one(store, entry, accept, keep_existing)] += 1
     return ImportReport(**counts)
 
 
-def _read_bundle(path: str | os.PathLike[str]) -> bytes:
-    """The bundle file's bytes, after checking from `fstat` that it is a regular file under the cap
-    (a FIFO must not hang an import, nor a huge file exhaust memory before its header is checked)."""
+def _open_bundle(path: str | os.PathLike[str]):
+    """The bundle file opened for reading, after checking from `fstat` that it is a regular file under the
+    cap (a FIFO must not hang an import, nor a huge file be read at all)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
                  | getattr(os, "O_BINARY", 0))
     try:
@@ -153,16 +155,81 @@ def _read_bundle(path: str | os.PathLike[str]) -> bytes:
             raise CorruptBundleError("not a regular file", path)
         if st.st_size > MAX_BUNDLE_BYTES:
             raise CorruptBundleError(f"{st.st_size} bytes is over the {MAX_BUNDLE_BYTES}-byte bundle cap", path)
-        chunks, left = [], st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def _check_stream(file, path) -> None:
+    """The outer check (magic, version, length, checksum) of an open bundle, read in chunks."""
+    size = os.fstat(file.fileno()).st_size
+    header = file.read(HEADER_SIZE)
+    if len(header) < HEADER_SIZE:
+        raise CorruptBundleError(f"truncated header: {len(header)} of {HEADER_SIZE} bytes", path)
+    found, version, length = record_mod._PREFIX.unpack_from(header)
+    if found.rstrip(b"\0") != BUNDLE_MAGIC.rstrip(b"\0"):
+        raise CorruptBundleError(f"bad magic {bytes(found)!r}: not a cudnn-graphs plan bundle", path)
+    if version != BUNDLE_VERSION:
+        raise CorruptBundleError(f"format version {version}, this code reads {BUNDLE_VERSION}", path)
+    if length != size - HEADER_SIZE:
+        raise CorruptBundleError(f"header says {length} payload bytes, file has {size - HEADER_SIZE}", path)
+    digest = hashlib.sha256(header[:record_mod._PREFIX.size])
+    while chunk := file.read(1 << 20):
+        digest.update(chunk)
+    if digest.digest() != header[record_mod._PREFIX.size:HEADER_SIZE]:
+        raise CorruptBundleError("checksum mismatch", path)
+
+
+def _stream_entries(file, path):
+    """Each record entry of a checked bundle's payload, one at a time, with its shape verified as it goes
+    (exactly the fields format, created, records; plain msgpack; binary entries under the record cap)."""
+    file.seek(HEADER_SIZE)
+    first = file.read(1)
+    file.seek(HEADER_SIZE)
+    if first and first != b"\xc1" and not (0x80 <= first[0] <= 0x8f or first in (b"\xde", b"\xdf")):
+        raise CorruptBundleError("payload fields: the payload is not a map", path)
+
+    def refuse_ext(code: int, data: bytes) -> None:
+        raise ValueError(f"msgpack extension type {code} in a plan bundle")  # plain data only
+
+    unpacker = msgpack.Unpacker(file, raw=False, strict_map_key=True, max_bin_len=record_mod.MAX_RECORD_BYTES,
+                                max_str_len=1 << 16, max_array_len=1 << 24, max_map_len=16, ext_hook=refuse_ext,
+                                read_size=1 << 20)
+    seen = {}
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key not in _PAYLOAD_FIELDS or key in seen:
+                raise CorruptBundleError(f"payload fields: unexpected {key!r}", path)
+            if key != "records":
+                seen[key] = unpacker.unpack()
+                continue
+            seen[key] = True
+            try:
+                count = unpacker.read_array_header()
+            except ValueError:
+                raise CorruptBundleError("payload fields have the wrong types", path) from None
+            for _ in range(count):
+                entry = unpacker.unpack()
+                if not isinstance(entry, bytes):
+                    raise CorruptBundleError("a record entry is not binary data", path)
+                yield entry
+        unpacker.unpack()  # must be the end of the payload
+        raise CorruptBundleError("data after the payload", path)
+    except msgpack.OutOfData:
+        pass
+    except CorruptBundleError:
+        raise
+    except Exception as err:  # msgpack's ValueError, FormatError, StackError, ExtraData ...
+        raise CorruptBundleError(f"payload is not msgpack of a plan bundle ({type(err).__name__}: {err})",
+                                 path) from None
+    if set(seen) != _PAYLOAD_FIELDS:
+        raise CorruptBundleError(f"payload fields {sorted(seen)}, expected {sorted(_PAYLOAD_FIELDS)}", path)
+    if type(seen["format"]) is not int or seen["format"] != BUNDLE_VERSION:
+        raise CorruptBundleError(f"payload format {seen['format']!r}, this code reads {BUNDLE_VERSION}", path)
+    if not isinstance(seen["created"], float):
+        raise CorruptBundleError("payload fields have the wrong types", path)
 
 
 def _import_one(store, entry: bytes, accept, keep_existing) -> str:

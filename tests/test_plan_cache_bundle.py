@@ -226,3 +226,13 @@ def test_records_the_store_cannot_write_are_counted_as_failed(tmp_path):
     (tmp_path / "b.cgb").write_bytes(pack_bundle([record_mod.encode(make_record())]))
     assert import_bundle(small, tmp_path / "b.cgb") == ImportReport(failed=1)
     assert import_bundle(small, tmp_path / "b.cgb", keep_existing=policy_keep) == ImportReport(failed=1)
+
+
+def test_a_bad_field_after_the_records_still_writes_nothing(dest, tmp_path):
+    """Import streams a record at a time, but checks the whole payload before writing the first."""
+    payload = msgpack.packb({"records": [record_mod.encode(make_record())], "format": 2, "created": 0.0},
+                            use_bin_type=True)
+    (tmp_path / "late.cgb").write_bytes(pack_frame(payload))
+    with pytest.raises(CorruptBundleError, match="payload format"):
+        import_bundle(dest, tmp_path / "late.cgb")
+    assert list(dest.keys()) == []
