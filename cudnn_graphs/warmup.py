@@ -146,7 +146,7 @@ def describe_spec(spec) -> str:
     numerics = spec.dtype + (f"/{spec.compute_dtype}" if spec.compute_dtype != "float32" else "")
     if spec.dtype == "float32":
         numerics += " tf32" if spec.allow_tf32 else " no-tf32"
-    explicit = " strides=" + ",".join(role for role, _ in spec.strides) if spec.strides else ""
+    explicit = "".join(f" {role}.strides={'x'.join(map(str, strides))}" for role, strides in spec.strides)
     return (f"{spec.op:16s} {shapes} {geometry} {numerics} {spec.layout}{explicit}"
             + (f" +{'+'.join(extra)}" if extra else ""))
 
