@@ -31,6 +31,7 @@ from torch import nn
 from .. import api
 from ..errors import UnsupportedGraphError
 from ..spec.activations import Activation, as_activation
+from ._activations import torch_activation
 
 __all__ = ["conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d"]
 log = logging.getLogger("cudnn_graphs")
@@ -117,15 +118,6 @@ def _torch_conv(x, w, bias, stride, padding, dilation, groups):
     return torch.convolution(x, w, bias, list(stride), sym, list(dilation), False, [0] * len(sym), groups)
 
 
-def _torch_act(name: str, param: float):
-    return {
-        "identity": lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, param),
-        "elu": lambda t: F.elu(t, param), "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-        "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
-        "softplus": lambda t: F.softplus(t, beta=param, threshold=1e9),
-    }[name]
-
-
 @functools.lru_cache(maxsize=256)
 def _params(stride: tuple, padding: tuple, dilation: tuple, groups: int, activation: str, act_param: float,
             beta: float, residual: bool, allow_tf32: bool) -> dict:
@@ -161,7 +153,7 @@ def _conv_fwd_torch(x, w, bias, z, stride, padding, dilation, groups, activation
     y = _torch_conv(x, w, bias, stride, padding, dilation, groups)
     if z is not None:
         y = y + beta * z
-    return _torch_act(activation, act_param)(y)
+    return torch_activation(activation, act_param)(y)
 
 
 def _conv_bwd_data_cuda(dy, w, x_shape, stride, padding, dilation, groups):
@@ -392,7 +384,7 @@ def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activ
         op = _ConvFunction.apply if grads else _fwd_direct
     if grads and not _derivative_from_output(act):  # the backward needs the pre-activation: keep it
         pre = op(input, weight, bias, residual, stride, flat, dilation, groups, "identity", 0.0, beta)
-        return _torch_act(act.name, act.param)(pre)
+        return torch_activation(act.name, act.param)(pre)
     return op(input, weight, bias, residual, stride, flat, dilation, groups, act.name,
               0.0 if act.param is None else act.param, beta)
 
@@ -411,12 +403,12 @@ def _autocast(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to(torch.get_autocast_dtype("cuda"))
 
 
-def _per_dim(name: str, value: Any, nd: int) -> list[int]:
+def _per_dim(name: str, value: Any, nd: int, *, minimum: int = 1) -> list[int]:
     values = [value] * nd if isinstance(value, int) else list(value)
     if len(values) == 1:
         values = values * nd
-    if len(values) != nd or not all(isinstance(v, int) and v >= 1 for v in values):
-        raise ValueError(f"{name}={value!r}: expected an int >= 1 or {nd} of them")
+    if len(values) != nd or not all(isinstance(v, int) and v >= minimum for v in values):
+        raise ValueError(f"{name}={value!r}: expected an int >= {minimum} or {nd} of them")
     return values
 
 
@@ -434,16 +426,7 @@ def _flat_padding(padding: Any, nd: int, stride: list[int], dilation: list[int],
             total = d * (int(k) - 1)
             out += [total // 2, total - total // 2]
         return out
-    return [p for v in _per_dim_padding(padding, nd) for p in (v, v)]
-
-
-def _per_dim_padding(padding: Any, nd: int) -> list[int]:
-    values = [padding] * nd if isinstance(padding, int) else list(padding)
-    if len(values) == 1:
-        values = values * nd
-    if len(values) != nd or not all(isinstance(v, int) and v >= 0 for v in values):
-        raise ValueError(f"padding={padding!r}: expected an int >= 0 or {nd} of them")
-    return values
+    return [p for v in _per_dim("padding", padding, nd, minimum=0) for p in (v, v)]
 
 
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..spec.activations import Activation
-from ._conv import Conv1d, Conv2d, Conv3d
+from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -178,20 +178,12 @@ def _fold(conv: nn.Module, bn: nn.Module, report: ConversionReport, bn_name: str
         weight = conv.weight.double() * scale.view(-1, *([1] * (conv.weight.dim() - 1)))
         bias = shift if conv.bias is None else conv.bias.double() * scale + shift
         dtype = conv.weight.dtype
-        conv.weight = nn.Parameter(weight.to(dtype).contiguous(memory_format=_format_of(conv.weight)),
+        conv.weight = nn.Parameter(weight.to(dtype).contiguous(memory_format=_memory_format(conv.weight)),
                                    requires_grad=False)
         conv.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
     report.folded_batchnorm.append(bn_name)
     report.weights = "copied"
     return True
-
-
-def _format_of(t: torch.Tensor) -> torch.memory_format:
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def _identity_epilogue(conv: nn.Module) -> bool:

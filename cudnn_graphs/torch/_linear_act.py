@@ -21,6 +21,7 @@ from torch import nn
 from fallback_kernels.gemm_act import gemm_bias_act, gemm_bias_act_backward
 
 from ..spec.activations import Activation, as_activation
+from ._activations import torch_activation
 
 __all__ = ["linear_act", "LinearAct"]
 
@@ -64,18 +65,8 @@ def linear_act(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if input.dim() == 1:
         return _LinearActFunction.apply(input.unsqueeze(0), weight, bias, act).squeeze(0)
     if 0 in (math.prod(lead), weight.shape[0], weight.shape[1]):  # empty: torch ops keep autograd and shapes
-        return _torch_act(act)(torch.nn.functional.linear(input, weight, bias))
+        return torch_activation(act.name, act.param)(torch.nn.functional.linear(input, weight, bias))
     return _LinearActFunction.apply(input, weight, bias, act)
-
-
-def _torch_act(act: Activation):
-    F, p = torch.nn.functional, act.param
-    return {
-        "identity": lambda t: t, "relu": F.relu, "leaky_relu": lambda t: F.leaky_relu(t, p),
-        "elu": lambda t: F.elu(t, p), "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-        "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
-        "softplus": lambda t: F.softplus(t, beta=p, threshold=1e9),
-    }[act.name]
 
 
 class LinearAct(nn.Module):
