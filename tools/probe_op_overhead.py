@@ -10,28 +10,13 @@ plan and through the backend-loaded one (each ctypes step of the latter timed al
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def host_us(fn, calls=200, rounds=5) -> float:
-    import torch
-
-    out = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(3e8))
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+from probe_call_path import host_us  # noqa: E402  (tools/ is sys.path[0] when run as a script)
 
 
 def main() -> int:
