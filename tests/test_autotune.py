@@ -9,7 +9,7 @@ import pytest
 import cudnn_graphs as cg
 from cudnn_graphs import ConfigError, config
 from cudnn_graphs.cache import LoadOutcome, keep_stored, rank
-from cudnn_graphs.plan import autotune
+from cudnn_graphs.plan import autotune, resident
 from plan_cache import PlanRecord, PlanStore
 
 
@@ -119,6 +119,7 @@ def test_autotune_session_retunes_a_heuristic_record(tmp_path, monkeypatch):
     built, loaded = [], []
     for policy, chosen_by, expect_build in [("autotune", "heuristics", True), ("autotune", "autotune", False),
                                             ("heuristic", "autotune", False), ("heuristic", "heuristics", False)]:
+        resident.forget()  # each session as a fresh process: the disk decides
         session = cg.Session(cache=tmp_path / policy / chosen_by, policy=policy)
         session.store.put(PlanRecord(session.signature(spec), b"", {"chosen_by": chosen_by}))
         built.clear(), loaded.clear()
@@ -129,8 +130,10 @@ def test_autotune_session_retunes_a_heuristic_record(tmp_path, monkeypatch):
         session._load_or_build(spec, None)
         assert bool(built) == expect_build, (policy, chosen_by)
         assert bool(loaded) != expect_build, (policy, chosen_by)
+    resident.forget()
 
 
 class _FakePlan:
     chosen_by = "autotune"
     build_ms = 1.0
+    device, signature = 0, "fake"

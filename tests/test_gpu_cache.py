@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import cudnn_graphs as cg  # noqa: E402
+from cudnn_graphs.plan import resident  # noqa: E402
 from plan_cache import PlanRecord, PlanStore  # noqa: E402
 
 from . import gpu_cache_worker as worker  # noqa: E402
@@ -86,6 +87,8 @@ def test_backend_and_frontend_loads_compute_the_same_bits(warm_cache, monkeypatc
 
 
 def _session(root):
+    """A session that sees the store as a fresh process would: no plan held by the process."""
+    resident.forget()
     return cg.Session(allow_tf32=False, cache=PlanStore(root))
 
 

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
 
 import cudnn_graphs as cg
+from cudnn_graphs.plan import resident
+
+
+@pytest.fixture(autouse=True)
+def _no_held_plans():
+    resident.forget()  # the stand-in plans below must not reach other tests' sessions
+    yield
+    resident.forget()
 
 
 def _specs():
@@ -41,8 +52,6 @@ def test_prefetch_of_an_unreadable_file_is_a_warning_not_an_error(tmp_path, capl
 
 
 def test_prefetch_workers_must_be_a_positive_int():
-    import pytest
-
     for bad in (0, -1, 2.0, True, "4"):
         with pytest.raises(ValueError, match="workers="):
             cg.Session(cache=False).prefetch([], workers=bad)
@@ -57,7 +66,7 @@ def _slow_loads(monkeypatch, session, seconds):
     def load_stored(spec, key):
         loading.append(spec)
         time.sleep(seconds)
-        return object()
+        return SimpleNamespace(device=session.device, signature=key, chosen_by="heuristics")
 
     import contextlib
 

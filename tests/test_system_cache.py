@@ -41,13 +41,21 @@ def test_the_system_tier_is_read_only_and_leaves_no_trace(system):
 
 
 def test_a_session_consults_the_system_tier_after_its_own(system, monkeypatch):
+    from types import SimpleNamespace
+
+    from cudnn_graphs.plan import resident
     from cudnn_graphs.plan import session as session_mod
 
     seen = []
-    monkeypatch.setattr(session_mod, "load_plan",
-                        lambda record, spec, session: seen.append(record.meta) or LoadOutcome("plan", "disk", False))
     session = cg.Session()
-    assert session.plan(SPEC) == "plan" and seen == [{"from": "system"}]
+    plan = SimpleNamespace(device=session.device, signature=session.signature(SPEC), chosen_by="heuristics")
+    monkeypatch.setattr(session_mod, "load_plan",
+                        lambda record, spec, session: seen.append(record.meta) or LoadOutcome(plan, "disk", False))
+    resident.forget()
+    try:
+        assert session.plan(SPEC) is plan and seen == [{"from": "system"}]
+    finally:
+        resident.forget()  # a stand-in plan must not reach other tests' sessions
     assert cg.Session(cache=False).system_store is None  # cache=False keeps nothing on disk, either tier
 
 

@@ -19,6 +19,7 @@ from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
 from ..graph import ROLE_UIDS, build_graph, frontend, serialized
 from ..signature import signature
 from ..spec import dtypes
+from . import resident
 from .plan import UNPROBED, Plan, PlannedPart
 
 if TYPE_CHECKING:
@@ -37,9 +38,22 @@ AUTOTUNE_INPUTS = ("scratch", "request")
 class HandlePool:
     """One cuDNN handle per thread for one device: a handle must not be driven from two threads.
 
+    One pool per device for the process (`for_device`), shared by every session and plan: handles are
+    never destroyed (cudnnDestroy synchronises the device) and a new Session pays no cudnnCreate.
     The handle is created through the backend (`raw()`); the frontend's wrapper around it
     (`current()`) is made only where a graph is built, so a warm process never imports the frontend.
     """
+
+    _pools: dict[int, "HandlePool"] = {}
+    _pools_lock = threading.Lock()
+
+    @classmethod
+    def for_device(cls, device: int) -> "HandlePool":
+        pool = cls._pools.get(device)
+        if pool is None:
+            with cls._pools_lock:
+                pool = cls._pools.setdefault(device, cls(device))
+        return pool
 
     def __init__(self, device: int):
         self.device = device
@@ -105,7 +119,7 @@ class Session:
         self.max_workspace_bytes = max_workspace_bytes
         self.fuse = bool(fuse)
         self.env = environment(self.device, deterministic=self.deterministic, allow_tf32=self.allow_tf32)
-        self.handles = HandlePool(self.device)
+        self.handles = HandlePool.for_device(self.device)
         self.store = open_store(cache)
         # A team's read-only tier, consulted after the user's (unless this session keeps no cache at all).
         self.system_store = open_system_store() if cache is not False else None
@@ -197,13 +211,17 @@ class Session:
             if spec in self._memory:
                 return "in_memory"
             key = self.signature(spec)
+            held = self._resident(key)
+            if held is not None:
+                self._remember(spec, held)
+                return "in_memory"
             if not any(store is not None and store.path_of(key).exists() for store in (self.store, self.system_store)):
                 return "missing"
             with driver.device(self.device):  # a background thread starts with no current device
                 plan = self._load_stored(spec, key)
             if plan is None:
                 return "missing"
-            self._remember(spec, plan)
+            self._remember(spec, resident.keep(plan))
         return "loaded"
 
     def _load_or_build(self, spec, buffers: dict | None) -> Plan:
@@ -211,14 +229,25 @@ class Session:
 
         recording.note(spec)
         key = self.signature(spec)
+        plan = self._resident(key)
+        if plan is not None:
+            self._count("memory_hits")
+            return plan
         plan = self._load_stored(spec, key)
         if plan is not None:
-            return plan
+            return resident.keep(plan)
         with self._build_lock:  # builds one at a time: autotune timings must not share the GPU
             plan = self._build(spec, key, buffers)
         self._count("autotuned" if plan.chosen_by == "autotune" else "builds")
         self._count("build_ms", plan.build_ms)
         self._store(plan)
+        return resident.keep(plan)
+
+    def _resident(self, key: str) -> Plan | None:
+        """The plan another session of this process holds for `key`, unless this session would tune it."""
+        plan = resident.get(self.device, key)
+        if plan is None or (self.policy == "autotune" and plan.chosen_by != "autotune"):
+            return None
         return plan
 
     def _load_stored(self, spec, key: str) -> Plan | None:
@@ -462,8 +491,10 @@ class Session:
     def _notes_source(self, spec, fused: bool, acc_dtype, i: int, index: int, engine: str,
                       modes: tuple[str, ...] = ("A", "FALLBACK")):
         """A call that probes part `i`'s numerical notes on a fresh copy of its graph."""
+        handles = self.handles  # not the session: a plan outlives it (resident.py)
+
         def fresh_graph():
-            return build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype).parts[i].graph
+            return build_graph(spec, fused=fused, handle=handles.current(), acc_dtype=acc_dtype).parts[i].graph
 
         return functools.partial(_probe_notes, fresh_graph, index=index, engine=engine, modes=modes)
 
