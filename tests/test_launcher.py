@@ -1,5 +1,5 @@
-"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, pausing
-capture when pointers never repeat), with stand-ins for the plan's parts and for CUDA graphs."""
+"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, a capture
+budget per launcher), with stand-ins for the plan's parts and for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -57,10 +57,8 @@ class _Graph:
 def launcher(monkeypatch):
     plan = _Plan()
     lau = Launcher(plan, ("x", "y"), "torch")
-    lau.captures = 0
 
     def capture(ptrs, stream):
-        lau.captures += 1
         return _Graph(plan.log, tuple(ptrs))
 
     monkeypatch.setattr(lau, "capture", capture)
@@ -94,30 +92,31 @@ def test_streams_and_pointer_sets_have_their_own_graphs(launcher):
     assert launcher.captures == 3
 
 
-def test_pointers_that_never_repeat_pause_capture_then_it_resumes(launcher, monkeypatch):
-    monkeypatch.setattr(launcher_mod, "_PAUSE_CALLS", 5)
+def test_capture_stops_for_good_once_the_budget_is_spent(launcher):
     ptr = 0
     while launcher.capture_enabled:  # each pointer set seen twice (captured) and never again
         ptr += 16
         launcher.launch((ptr, ptr), 7, _never)
         launcher.launch((ptr, ptr), 7, _never)
         assert ptr < 16 * 100
-    assert launcher.captures == launcher_mod.GRAPHS_PER_LAUNCHER + launcher_mod._WASTED_LIMIT
-    captures = launcher.captures
-    for _ in range(6):
+    assert launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
+    for _ in range(100):  # a new pointer set, seen often: it runs directly, never recorded
         launcher.launch((1 << 20, 1 << 20), 7, _never)
-    assert launcher.captures == captures and launcher.capture_enabled  # paused, then resumed
-    launcher.launch((1 << 20, 1 << 20), 7, _never)
-    launcher.launch((1 << 20, 1 << 20), 7, _never)
-    assert launcher.captures == captures + 1
+    assert launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
+    assert launcher.plan.log[-1] == ("direct", 7, (1 << 20, 1 << 20))
 
 
-def test_replayed_graphs_are_not_waste(launcher):
-    for round_ in range(40):  # 9 pointer sets in rotation: one graph evicted per new set, each replayed before
+def test_graphs_held_when_the_budget_ran_out_still_replay(launcher):
+    for round_ in range(40):  # 9 pointer sets in rotation through 8 graph slots
         ptrs = (16 * (round_ % 9 + 1), 0)
         for _ in range(3):
             launcher.launch(ptrs, 7, _never)
-    assert launcher.capture_enabled
+    assert not launcher.capture_enabled and launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
+    launcher.plan.log.clear()
+    for round_ in range(9):
+        launcher.launch((16 * (round_ + 1), 0), 7, _never)
+    kinds = [entry[0] for entry in launcher.plan.log]
+    assert kinds.count("replay") == launcher_mod.GRAPHS_PER_LAUNCHER and kinds.count("direct") == 1
 
 
 def test_an_engine_that_cannot_be_captured_stays_direct(launcher, monkeypatch):

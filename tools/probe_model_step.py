@@ -37,7 +37,7 @@ def main() -> int:
 
     torch.backends.cudnn.benchmark = True
     if args.graphs:
-        launcher_mod.GRAPHS_PER_LAUNCHER, launcher_mod._WASTED_LIMIT = args.graphs, 2 * args.graphs
+        launcher_mod.GRAPHS_PER_LAUNCHER = launcher_mod.CAPTURES_PER_LAUNCHER = args.graphs
     cl = torch.channels_last
     base = getattr(torchvision.models, args.model)(weights=None).cuda().to(memory_format=cl)
     x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
@@ -51,24 +51,30 @@ def main() -> int:
     print("capture on:", _alternate(steps, rounds=3, steps=10))
     import time
 
+    import faulthandler
+
     for name, step in steps.items():  # host time of one step behind a ~1 s sleep; a sync would drain it
         for _ in range(2):
             torch.cuda.synchronize()
             torch.cuda._sleep(int(2e9))
             t = time.perf_counter()
+            faulthandler.dump_traceback_later(0.3, file=sys.stdout)  # where the host waits, if it does
             step()
+            faulthandler.cancel_dump_traceback_later()
             host_ms = (time.perf_counter() - t) * 1e3
             busy = not torch.cuda.current_stream().query()
             torch.cuda.synchronize()
         print(f"{name}: host {host_ms:.1f} ms per step with the GPU busy; GPU still busy after: {busy}")
     launchers = [c.launcher for c in cg.default_session(0)._calls.values()]
+    before = sum(la.captures for la in launchers)
+    print("capture on, again:", _alternate(steps, rounds=1, steps=10), "captures in those 10 steps of ours:",
+          sum(la.captures for la in launchers) - before)
     print(f"{len(launchers)} launchers, {sum(len(la._graphs) for la in launchers)} graphs, "
-          f"{sum(la.capture_enabled for la in launchers)} capturing, wasted {sum(la._wasted for la in launchers)}, "
+          f"{sum(la.capture_enabled for la in launchers)} capturing, {sum(la.captures for la in launchers)} captures, "
           f"replays {sum(g.launches for la in launchers for g in la._graphs.values())}")
     for la in launchers:
-        la.capture_enabled, la._paused_calls = False, 0
+        la.capture_enabled = False
         la._graphs.clear()
-    launcher_mod._PAUSE_CALLS = 10**9
     print("capture off:", _alternate(steps, rounds=3, steps=10))
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile

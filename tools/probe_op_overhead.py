@@ -10,6 +10,7 @@ plan and through the backend-loaded one (each ctypes step of the latter timed al
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,7 @@ def main() -> int:
     import cudnn_graphs as cg
     import cudnn_graphs.torch as cgt
     from cudnn_graphs.execute import cudnn_backend as cb
+    from cudnn_graphs.plan import resident
 
     cl = torch.channels_last
     x = torch.randn(32, 128, 28, 28, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
@@ -33,6 +35,7 @@ def main() -> int:
     spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last")
     cache = tempfile.mkdtemp()
     built = cg.Session(cache=cache).plan(spec)
+    resident.forget()  # the next session loads from disk, as a fresh process would
     loaded = cg.Session(cache=cache).plan(spec)
     assert loaded.parts[0].backend is not None and built.parts[0].backend is None
     wr = w.detach().clone().requires_grad_(True)
@@ -50,10 +53,46 @@ def main() -> int:
         "built plan bind().launch direct": built.bind(x=x, w=w, y=y, cuda_graph=False).launch,
         "loaded plan bind().launch direct": loaded.bind(x=x, w=w, y=y, cuda_graph=False).launch,
     }
+    # A training layer: fwd + bwd (dx and dw), inputs that rotate as activations do across layers, so
+    # pointer sets rarely repeat (direct runs once the launchers' capture budget is spent).
+    tconv = torch.nn.Conv2d(128, 128, 3, padding=1, bias=False).cuda().half().to(memory_format=cl)
+    xs = [x.detach().clone().requires_grad_(True) for _ in range(48)]
+    gy = torch.randn_like(x)
+    turn = itertools.count()
+
+    def train(module):
+        def step():
+            module(xs[next(turn) % len(xs)]).backward(gy)
+        return step
+
+    def fwd_rotating():
+        cg.conv_fwd(xs[next(turn) % len(xs)].detach(), w, padding=1)
+
+    cases.update({
+        "torch nn.Conv2d fwd+bwd, inputs rotating": train(tconv),
+        "Conv2d module fwd+bwd, inputs rotating": train(conv),
+        "torch nn.Conv2d fwd+bwd, same input": lambda: tconv(xs[0]).backward(gy),
+        "Conv2d module fwd+bwd, same input": lambda: conv(xs[0]).backward(gy),
+        "cg.conv_fwd, inputs rotating": fwd_rotating,
+    })
     torch.backends.cudnn.benchmark = True
     for name, fn in cases.items():
         fn()
         print(f"{name:55s} {host_us(fn):8.2f} us", flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    profile, step = cProfile.Profile(), cases["Conv2d module fwd+bwd, inputs rotating"]
+    torch.cuda._sleep(int(2e9))
+    profile.enable()
+    for _ in range(300):
+        step()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+    print("== 300 rotating fwd+bwd of the module, by own time\n" + text.getvalue()[-4500:], flush=True)
     # the backend runner's steps, one at a time
     lib, part = cb.lib(), loaded.parts[0]
     handle = loaded.handles.on_stream(torch.cuda.current_stream().cuda_stream)

@@ -13,12 +13,14 @@ import ctypes, tempfile, json  # noqa: E402
 import torch
 import cudnn_graphs as cg
 from cudnn_graphs.execute import cudnn_backend as cb
+from cudnn_graphs.plan import resident
 
 out = {}
 tmp = tempfile.mkdtemp()
 spec = cg.ConvFwdSpec((32, 128, 28, 28), (128, 128, 3, 3), padding=1, dtype="float16", layout="channels_last",
                       bias=True, activation="relu")
 w = cg.Session(cache=tmp); w.plan(spec)
+resident.forget()  # the reader loads from disk, as a fresh process would
 r = cg.Session(cache=tmp); plan = r.plan(spec)
 part = plan.parts[0]
 out["loaded_by_backend"] = part.backend is not None

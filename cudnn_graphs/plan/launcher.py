@@ -6,6 +6,12 @@ caller's memo key already proved the buffers match). A pointer tuple seen twice 
 recorded once into a CUDA graph and replayed from then on (one graph launch instead of a cuDNN
 execute per part), except while the stream is being captured by someone else: their graph then
 records the parts themselves.
+
+Recording is a warm-up activity: each launcher records at most CAPTURES_PER_LAUNCHER graphs in the
+life of the process. Instantiating a graph can wait for the GPU (seen in a ResNet-50 training loop on
+an H100, driver 580: `cuGraphInstantiate` held the host ~1 s, the GPU drained), and a loop whose
+pointers keep changing gains nothing from graphs (its steps took the same time with capture off).
+Once the budget is spent, pointer sets without a graph run directly, which never synchronises.
 """
 
 from __future__ import annotations
@@ -20,12 +26,9 @@ from ..execute import driver
 
 log = logging.getLogger("cudnn_graphs")
 
-GRAPHS_PER_LAUNCHER = 8  # pointer sets kept as graphs; a training loop cycles through one or two
+GRAPHS_PER_LAUNCHER = 8  # pointer sets kept as graphs; a loop with stable buffers cycles through one or two
+CAPTURES_PER_LAUNCHER = 2 * GRAPHS_PER_LAUNCHER  # graphs recorded in a launcher's life (see above)
 _SEEN_LIMIT = 64
-# Graphs evicted without a replay before capture pauses for a launcher: pointers that never repeat gain
-# nothing from a graph. Capture resumes after this many direct calls (warm-up steps may look like that).
-_WASTED_LIMIT = 2 * GRAPHS_PER_LAUNCHER
-_PAUSE_CALLS = 4096
 
 
 class _Prepared:
@@ -57,8 +60,7 @@ class Launcher:
         self._prepared: dict[tuple[int, int], _Prepared] = {}
         self._graphs: OrderedDict[tuple, driver.GraphExec] = OrderedDict()
         self._seen: dict[tuple, int] = {}
-        self._wasted = 0
-        self._paused_calls = 0  # direct calls since capture paused for pointers that did not repeat
+        self.captures = 0  # graphs recorded so far, at most CAPTURES_PER_LAUNCHER
         self.capture_enabled = True
         self._lock = threading.Lock()
 
@@ -88,16 +90,10 @@ class Launcher:
                 graph.launch(stream)
                 return
         self.prepared(stream)(ptrs)
-        if graph is not None:
-            return
-        if self.capture_enabled:
+        if graph is None and self.capture_enabled:
             if len(self._seen) >= _SEEN_LIMIT:
                 self._seen.clear()
             self._seen[key] = 1
-        elif self._paused_calls:
-            self._paused_calls += 1
-            if self._paused_calls > _PAUSE_CALLS:
-                self._paused_calls, self._wasted, self.capture_enabled = 0, 0, True
 
     def _graph_for(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> driver.GraphExec | None:
         try:
@@ -107,14 +103,16 @@ class Launcher:
             self.capture_enabled = False
             return None
         self._seen.pop(key, None)
+        self.captures += 1
         with self._lock:
             self._graphs[key] = graph
             while len(self._graphs) > GRAPHS_PER_LAUNCHER:
-                _, evicted = self._graphs.popitem(last=False)
-                self._wasted += evicted.launches <= 1  # launched once, when captured: never replayed
-        if self._wasted >= _WASTED_LIMIT:
-            log.info("%s: pointers rarely repeat; direct calls for a while", self.plan.spec.op)
-            self.capture_enabled, self._paused_calls = False, 1
+                self._graphs.popitem(last=False)
+        if self.captures >= CAPTURES_PER_LAUNCHER:
+            log.info("%s: %d graphs recorded; new pointer sets run directly from now on", self.plan.spec.op,
+                     self.captures)
+            self.capture_enabled = False
+            self._seen.clear()
         return graph
 
     def capture(self, ptrs: Sequence[int], stream: int) -> driver.GraphExec:
