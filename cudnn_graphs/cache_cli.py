@@ -20,9 +20,10 @@ from plan_cache import PlanRecord, PlanStore
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
-from .cache.policy import importable, keep_stored, verify_load
+from .cache.policy import importable, keep_stored
 from .environment import NO_GPU, environment
 from .errors import CudnnGraphsError
+from .plan.verify import verify_load
 from .spec import SPEC_TYPES, spec_from_dict
 
 __all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]

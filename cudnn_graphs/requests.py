@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, NamedTuple
 
+from gpu_launch import buffers as _buffers
+from gpu_launch.streams import allocate_like, capture_probe, stream_pointer, torch_allocator
+
 from .errors import BufferMismatchError, SpecError
-from .execute import buffers as _buffers
-from .execute.streams import allocate_like, capture_probe, stream_pointer, torch_allocator
 from .plan import default_session
 from .spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, geometry
 from .spec.specs import _ConvSpec

@@ -12,7 +12,7 @@ import importlib.resources
 import re
 from typing import Any, Sequence
 
-from cudnn_graphs.errors import KernelCompileError
+from gpu_launch.errors import KernelCompileError
 
 BASE_OPTIONS = ("--std=c++17",)
 

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from cudnn_graphs.execute import driver
-from cudnn_graphs.spec.activations import ACTIVATIONS
+from gpu_launch import driver
+from gpu_launch.activations import ACTIVATIONS
 
 from . import compile as _compile
 
@@ -110,9 +110,7 @@ def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid:
 
 
 def _arch(device: int) -> str:
-    from cudnn_graphs.environment import environment
-
-    major, minor = environment(device).compute_capability
+    major, minor = driver.compute_capability(device)
     return f"sm_{major}{minor}"
 
 

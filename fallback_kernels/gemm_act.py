@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cudnn_graphs.errors import BufferMismatchError, SpecError
-from cudnn_graphs.execute.buffers import BufferInfo, describe
-from cudnn_graphs.spec.activations import ACTIVATIONS, Activation, as_activation
+from gpu_launch.activations import ACTIVATIONS, Activation, as_activation
+from gpu_launch.buffers import BufferInfo, describe
+from gpu_launch.errors import BufferMismatchError, SpecError
 
 from . import blas
 from . import compile as _compile
@@ -240,7 +240,7 @@ def _dense_like(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, 
 
 
 def _alloc(ops: _Operands, like: Any, shape, strides, dtype: str) -> tuple[Any, BufferInfo]:
-    from cudnn_graphs.execute.streams import allocate_like
+    from gpu_launch.streams import allocate_like
 
     if dtype == "mask":
         dtype = "int32" if ops.framework == "torch" else "uint32"
@@ -250,7 +250,7 @@ def _alloc(ops: _Operands, like: Any, shape, strides, dtype: str) -> tuple[Any, 
 
 
 def _scratch(ops: _Operands, nbytes: int) -> tuple[Any, int]:
-    from cudnn_graphs.execute.streams import allocate
+    from gpu_launch.streams import allocate
 
     return allocate(nbytes, ops.framework, ops.device)
 
@@ -323,7 +323,7 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
         ops.check("bias", ib, shape=(ops.n,))
     import cupy
 
-    from cudnn_graphs.execute.streams import external_stream, stream_pointer
+    from gpu_launch.streams import external_stream, stream_pointer
 
     dtype, device, n, rows = ops.dtype, ops.device, ops.n, ops.rows
     with cupy.cuda.Device(device):
@@ -423,7 +423,7 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
         return None, None, None
     import cupy
 
-    from cudnn_graphs.execute.streams import external_stream, stream_pointer
+    from gpu_launch.streams import external_stream, stream_pointer
 
     dtype, device, n, rows = ops.dtype, ops.device, ops.n, ops.rows
     t = CTYPES[dtype]

@@ -44,9 +44,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cudnn_graphs.errors import BufferMismatchError, SpecError
-from cudnn_graphs.execute.buffers import describe
-from cudnn_graphs.execute.streams import allocate, allocate_like, external_stream, stream_pointer
+from gpu_launch.buffers import describe
+from gpu_launch.errors import BufferMismatchError, SpecError
+from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer
 
 from . import compile as _compile
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cudnn_graphs.errors import BufferMismatchError, SpecError
-from cudnn_graphs.spec.activations import ACTIVATIONS
+from gpu_launch.activations import ACTIVATIONS
 from fallback_kernels import blas
 from fallback_kernels import compile as kc
 from fallback_kernels import gemm_act

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 
 from cudnn_graphs.errors import BufferMismatchError  # noqa: E402
-from cudnn_graphs.spec.activations import as_activation  # noqa: E402
+from gpu_launch.activations import as_activation  # noqa: E402
 from fallback_kernels.gemm_act import gemm_bias_act, gemm_bias_act_backward  # noqa: E402
 
 from .gpu_reference import act_fn  # noqa: E402

@@ -14,7 +14,7 @@ def _readme_commands() -> list[str]:
 
 
 def test_top_level_layout():
-    for name in ("pyproject.toml", "cudnn_graphs", "plan_cache", "fallback_kernels", "tests", "tools",
+    for name in ("pyproject.toml", "cudnn_graphs", "plan_cache", "fallback_kernels", "gpu_launch", "tests", "tools",
                  "README.md", ".ci/run"):
         assert (ROOT / name).exists(), name
 
@@ -34,3 +34,39 @@ def test_public_names_import():
                  "signature", "environment", "spec_from_dict", "build_graph", "Activation", "Environment"):
         assert hasattr(cg, name), name
     assert issubclass(cg.SpecError, ValueError)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every module `path` imports, lazily inside functions too, as absolute dotted names."""
+    import ast
+
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            name = ".".join([*base, node.module] if node.module else base)
+            found.add(name)
+            found.update(f"{name}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _importers(folder: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    bad = {}
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        hits = sorted(m for m in _imports(path) if m.split(".")[0] in forbidden or
+                      any(m == f or m.startswith(f + ".") for f in forbidden))
+        if hits:
+            bad[str(path.relative_to(ROOT))] = hits
+    return bad
+
+
+def test_imports_go_one_way():
+    """gpu_launch <- fallback_kernels <- cudnn_graphs; plan_cache knows none of them; and inside
+    cudnn_graphs the cache layer never reaches up into plans."""
+    assert _importers("gpu_launch", ("cudnn_graphs", "fallback_kernels", "plan_cache")) == {}
+    assert _importers("fallback_kernels", ("cudnn_graphs", "plan_cache")) == {}
+    assert _importers("plan_cache", ("cudnn_graphs", "fallback_kernels", "gpu_launch")) == {}
+    assert _importers("cudnn_graphs/cache", ("cudnn_graphs.plan", "cudnn_graphs.torch", "cudnn_graphs.api")) == {}

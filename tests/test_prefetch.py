@@ -70,7 +70,7 @@ def _slow_loads(monkeypatch, session, seconds):
 
     import contextlib
 
-    from cudnn_graphs.execute import driver
+    from gpu_launch import driver
 
     monkeypatch.setattr(session, "_load_stored", load_stored)
     monkeypatch.setattr(type(session.store), "path_of", lambda self, key: type("P", (), {"exists": lambda s: True})())

@@ -7,7 +7,7 @@ import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvBwdFilterRequest, ConvFwdRequest, SpecError
-from cudnn_graphs.execute import buffers
+from gpu_launch import buffers
 from cudnn_graphs.spec import geometry
 
 _TYPESTR = {"float16": "<f2", "float32": "<f4", "float64": "<f8", "bfloat16": "<V2"}
@@ -141,7 +141,7 @@ def test_unknown_object_is_refused_by_type():
 
 
 def test_dlpack_view_reads_shape_strides_dtype_and_offset():
-    from cudnn_graphs.execute import dlpack
+    from gpu_launch import dlpack
 
     base = np.arange(2 * 6 * 4 * 5, dtype=np.float64).reshape(2, 6, 4, 5)
     sliced = base[:, 2:5, :, ::2]

@@ -48,7 +48,7 @@ def main() -> None:
     import torch
 
     import cudnn_graphs as cg
-    from cudnn_graphs.execute import driver
+    from gpu_launch import driver
     from cudnn_graphs.plan import resident
 
     cl = torch.channels_last

@@ -1,8 +1,8 @@
 """Plans on disk: a built plan <-> a `plan_cache.PlanRecord`, and the store a session uses."""
 
-from .policy import for_machine, keep_stored, rank, verify_load
+from .policy import for_machine, keep_stored, rank
 from .records import RECORD_SCHEMA, LoadOutcome, load_plan, plan_to_record
 from .stores import open_store, open_system_store
 
 __all__ = ["RECORD_SCHEMA", "LoadOutcome", "for_machine", "keep_stored", "load_plan", "open_store",
-           "open_system_store", "plan_to_record", "rank", "verify_load"]
+           "open_system_store", "plan_to_record", "rank"]

@@ -1,4 +1,4 @@
-"""Which record wins, which records belong to this machine, and whether a stored plan still loads."""
+"""Which record wins, and which records belong to this machine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ..environment import Environment
 AUTOTUNE = "autotune"
 HEURISTICS = "heuristics"
 # Session flags ride in the fingerprint too, but a record built under other flags is still for this machine.
-_SESSION_FLAGS = ("deterministic", "allow_tf32")
+SESSION_FLAGS = ("deterministic", "allow_tf32")
 
 
 def rank(meta: dict) -> int:
@@ -25,7 +25,7 @@ def keep_stored(new, old) -> bool:
 
 def machine_fields(env: dict) -> dict:
     """The hardware and library part of an environment dict (without the session flags)."""
-    return {k: v for k, v in env.items() if k not in _SESSION_FLAGS}
+    return {k: v for k, v in env.items() if k not in SESSION_FLAGS}
 
 
 def for_machine(meta: dict, env: Environment) -> bool:
@@ -58,29 +58,3 @@ def importable(record: Any, env: Environment | None) -> bool:
         return True
     stored = record.meta.get("environment")
     return isinstance(stored, dict) and stored.get("gpu_name") not in (None, "none") and for_machine(record.meta, env)
-
-
-def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -> tuple[str, str]:
-    """(status, detail) of loading `record` on GPU `device`: "loads", "rebuilt" (a blob did not load but
-    its engine id + knobs did), "foreign" (made on another kind of machine), or "unusable" (a session
-    would build anew). `sessions` memoises one memory-only session per set of session flags."""
-    from ..environment import environment
-    from ..plan import Session
-    from .records import _spec_of, load_plan
-
-    spec = _spec_of(record.meta)
-    if spec is None:
-        return "unusable", "spec not readable by this version of cudnn-graphs"
-    if not for_machine(record.meta, environment(device)):
-        return "foreign", "recorded on another GPU or with other cuDNN/CUDA versions"
-    flags = {k: bool(record.meta["environment"].get(k)) for k in _SESSION_FLAGS}
-    sessions = {} if sessions is None else sessions
-    session = sessions.get(tuple(flags.items()))
-    if session is None:
-        session = sessions[tuple(flags.items())] = Session(device=device, cache=False, **flags)
-    outcome = load_plan(record, spec=spec, session=session)
-    if outcome is None:
-        return "unusable", "does not load (the log says why)"
-    if outcome.path != "disk":
-        return "rebuilt", "a stored blob did not load; rebuilt from its engine id + knobs"
-    return "loads", ", ".join(outcome.plan.engines)

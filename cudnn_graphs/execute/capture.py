@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .driver import GraphExec
+from gpu_launch.driver import GraphExec
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec.activations import Activation
+from gpu_launch.activations import Activation
 
 _FORWARD = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_approx_tanh", "silu": "swish",
             "sigmoid": "sigmoid", "tanh": "tanh"}

@@ -125,7 +125,7 @@ def time_call(call: Callable[[], None], stream_ptr: int) -> float:
     """Median ms of `call` on `stream_ptr`: warm-up, then SAMPLES event-timed batches of launches."""
     import cupy
 
-    from ..execute.streams import external_stream
+    from gpu_launch.streams import external_stream
 
     stream = external_stream(stream_ptr) if stream_ptr else cupy.cuda.Stream.null
     start, end = cupy.cuda.Event(), cupy.cuda.Event()

@@ -21,8 +21,9 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Sequence
 
+from gpu_launch import driver
+
 from ..errors import CudaDriverError, GraphCaptureError
-from ..execute import driver
 
 log = logging.getLogger("cudnn_graphs")
 

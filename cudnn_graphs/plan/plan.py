@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from gpu_launch import buffers as _buffers
+from gpu_launch.streams import allocate, capture_probe, stream_pointer
+
+from ..cache.records import UNPROBED
 from ..errors import BufferMismatchError, GraphCaptureError
-from ..execute import buffers as _buffers
-from ..execute.streams import allocate, capture_probe, stream_pointer
 from ..graph import ROLE_UIDS
 from ..spec.dtypes import ITEMSIZE
 from .launcher import Launcher
@@ -21,7 +23,6 @@ if TYPE_CHECKING:
     from ..execute.capture import CapturedPlan
 
 
-UNPROBED = "unprobed"
 log = logging.getLogger("cudnn_graphs")
 
 

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpu_launch import driver
+
 from .. import config
 from ..cache import keep_stored, load_plan, open_store, open_system_store, plan_to_record, rank
 from ..environment import environment, gpu_problem
-from ..execute import cudnn_backend, driver
+from ..execute import cudnn_backend
 from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
 from ..graph import ROLE_UIDS, build_graph, frontend, serialized
 from ..signature import signature
@@ -558,7 +560,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _pointer(buffer: Any) -> int:
-    from ..execute.buffers import describe
+    from gpu_launch.buffers import describe
 
     return describe(buffer, "autotune").ptr
 

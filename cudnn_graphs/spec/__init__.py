@@ -1,6 +1,6 @@
 """Op specs: what to compute, independent of any GPU or library version."""
 
-from .activations import ACTIVATIONS, Activation
+from gpu_launch.activations import ACTIVATIONS, Activation
 from .dtypes import IO_DTYPES
 from .serialize import SPEC_SCHEMA_VERSION, spec_from_dict
 from .specs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, ConvSpec, SPEC_TYPES, TensorDesc

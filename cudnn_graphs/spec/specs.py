@@ -11,9 +11,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
+from gpu_launch.activations import Activation, as_activation, finite_number
+
 from ..errors import SpecError
 from . import dtypes, geometry
-from .activations import Activation, as_activation, finite_number
 
 
 class TensorDesc(NamedTuple):

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_launch.activations import Activation, as_activation
+
 from .. import api
 from ..errors import UnsupportedGraphError
-from ..spec.activations import Activation, as_activation
 from ._activations import torch_activation
 
 __all__ = ["conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d"]

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..spec.activations import Activation
+from gpu_launch.activations import Activation
+
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 
 __all__ = ["ConversionReport", "convert"]

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from fallback_kernels.gemm_act import gemm_bias_act, gemm_bias_act_backward
+from gpu_launch.activations import Activation, as_activation
 
-from ..spec.activations import Activation, as_activation
 from ._activations import torch_activation
 
 __all__ = ["linear_act", "LinearAct"]

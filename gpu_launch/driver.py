@@ -12,7 +12,7 @@ import ctypes
 import functools
 from typing import Any
 
-from ..errors import CudaDriverError
+from .errors import CudaDriverError
 
 # cuda.h values (stable since CUDA 10).
 CAPTURE_STATUS_NONE = 0
@@ -48,6 +48,7 @@ def lib() -> Any:
         "cuCtxSetCurrent": [_ptr],
         "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
         "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
         "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_ptr), ctypes.c_int],
         "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
         "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
@@ -79,6 +80,19 @@ def _is_capturing_fn(stream, status_ref) -> int:
 
 
 _IS_CAPTURING = _is_capturing_fn
+
+
+_ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    """(major, minor) of device `ordinal`, asked of the driver once per process."""
+    cuda, dev, major, minor = lib(), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    _check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(cuda.cuDeviceGetAttribute(ctypes.byref(major), _ATTR_CC_MAJOR, dev), "cuDeviceGetAttribute")
+    _check(cuda.cuDeviceGetAttribute(ctypes.byref(minor), _ATTR_CC_MINOR, dev), "cuDeviceGetAttribute")
+    return major.value, minor.value
 
 
 def new_stream() -> int:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..errors import SpecError
+from .errors import SpecError
 
 # name -> (parameter name or None, PyTorch's default value)
 ACTIVATIONS: dict[str, tuple[str | None, float | None]] = {

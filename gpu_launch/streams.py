@@ -74,7 +74,7 @@ def _cupy_dtype(name: str):
     try:
         import ml_dtypes  # CuPy holds bfloat16 only through ml_dtypes' numpy dtype
     except ImportError:
-        from ..errors import BufferMismatchError
+        from .errors import BufferMismatchError
 
         raise BufferMismatchError("output", "dtype", "an output buffer passed in (CuPy needs ml_dtypes to "
                                   "allocate bfloat16)", name) from None

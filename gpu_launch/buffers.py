@@ -9,8 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, NamedTuple
 
-from ..errors import BufferMismatchError
-from ..spec import TensorDesc
+from .errors import BufferMismatchError
 from . import dlpack
 
 ALIGNMENT = 16  # bytes: what every tensor of our cuDNN graphs declares
@@ -124,8 +123,8 @@ def _from_cai(obj: Any, cai: dict, role: str) -> BufferInfo:
     return BufferInfo(int(cai["data"][0]), shape, strides, dtype or typestr, device, framework)
 
 
-def check(info: BufferInfo, desc: TensorDesc, role: str, device: int) -> None:
-    """Refuse before launch anything that does not match the spec's tensor exactly."""
+def check(info: BufferInfo, desc: Any, role: str, device: int) -> None:
+    """Refuse before launch anything that does not match `desc` (a spec's TensorDesc: shape, strides, dtype)."""
     if info.framework == "pointer":
         if info.ptr == 0:
             raise BufferMismatchError(role, "pointer", "a non-null device pointer", 0)
