@@ -38,12 +38,15 @@ order, in registers and warp shuffles, so it is deterministic either way):
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from gpu_launch import driver
 from gpu_launch.buffers import describe
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer
@@ -430,46 +433,124 @@ def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
 
 
 def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
-    import cupy
-
     stream_ptr = stream_pointer(None, framework, device)
-    stream = external_stream(stream_ptr) if framework == "torch" else cupy.cuda.get_current_stream()
     owner = None
     if plan.scratch_bytes:
         owner, base = allocate(plan.scratch_bytes, framework, device)
         for name, offset in plan.scratch:
             ptrs[name] = base + offset
+    if PROFILE is not None:
+        return _run_profiled(plan, framework, device, ptrs, owner, stream_ptr)
+    for step in _program(plan, device):
+        if step.kernel is not None:
+            for value, name, offset in step.patches:
+                value.value = ptrs[name] + offset
+            step.kernel.launch(stream_ptr)
+        else:
+            _other_op(step.op, ptrs, owner, device, stream_ptr)
+    # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
 
-    def arg(a):
+
+class _Step(NamedTuple):
+    """One op of a plan ready to run on this thread: a launch packed once (patch the pointers, launch),
+    or the plan's op for what is not a kernel of ours (zero, scan, sort)."""
+
+    kernel: Any  # driver.Kernel, or None
+    patches: tuple  # (ctypes value, buffer name, byte offset): the pointers each call fills in
+    op: tuple
+
+
+_programs = threading.local()
+
+
+def _program(plan: _Plan, device: int) -> tuple[_Step, ...]:
+    """The plan's launches packed for this thread (packing per call would cost microseconds an op)."""
+    held = getattr(_programs, "held", None)
+    if held is None:
+        held = _programs.held = {}
+    hit = held.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    steps = tuple(_step(op, device) for op in plan.ops)
+    if len(held) >= 512:  # plans evicted from their lru_cache leave stale entries: start over
+        held.clear()
+    held[id(plan)] = (plan, steps)
+    return steps
+
+
+def _step(op: tuple, device: int) -> _Step:
+    if op[0] != "launch":
+        return _Step(None, (), op)
+    _, fn, grid, block, args, _name, shared = op
+    values, patches = [], []
+    for a in args:
+        value = _c_arg(a)
         if isinstance(a, _Ref):
-            return np.uint64(ptrs[a.name] + a.offset)
-        return np.uint64(0) if a is None else a
+            patches.append((value, a.name, a.offset))
+        values.append(value)
+    kernel = driver.Kernel(_cufunction(fn, device), grid=grid, block=block, args=values, ordinal=device,
+                           shared=shared)
+    return _Step(kernel, tuple(patches), op)
 
-    profile = PROFILE
-    for op in plan.ops:
-        if profile is not None:
-            start = cupy.cuda.Event()
-            start.record(stream)
-        if op[0] == "launch":
-            _, fn, grid, block, args, _name, shared = op
-            fn(grid, block, tuple(arg(a) for a in args), stream=stream, shared_mem=shared)
-        elif op[0] == "zero":
-            cupy.cuda.runtime.memsetAsync(ptrs[op[1].name] + op[1].offset, 0, op[2], stream_ptr)
-        elif op[0] == "scan":  # CuPy's cumsum, on the launch stream
+
+def _c_arg(a: Any) -> Any:
+    """A kernel argument as the ctypes value the launch points at."""
+    if a is None or isinstance(a, _Ref):
+        return ctypes.c_uint64(0)
+    if isinstance(a, np.ndarray):  # struct Geo / Tr: int64 fields, passed by value
+        assert a.dtype.itemsize % 8 == 0 and a.size == 1, a.dtype
+        return (ctypes.c_int64 * (a.dtype.itemsize // 8)).from_buffer_copy(a.tobytes())
+    if isinstance(a, np.int32):
+        return ctypes.c_int32(int(a))
+    if isinstance(a, np.int64):
+        return ctypes.c_int64(int(a))
+    raise TypeError(f"kernel argument of type {type(a).__name__}")
+
+
+def _cufunction(fn: Any, device: int) -> int:
+    """The CUfunction behind a CuPy kernel of `device` (CuPy loads modules in the primary context, as
+    the driver layer launches)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return int(getattr(fn, "kernel", fn).ptr)
+
+
+def _other_op(op: tuple, ptrs: dict, owner: Any, device: int, stream_ptr: int) -> None:
+    if op[0] == "zero":
+        driver.memset_async(ptrs[op[1].name] + op[1].offset, op[2], stream_ptr)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device), external_stream(stream_ptr):
+        if op[0] == "scan":  # CuPy's cumsum, on the launch stream
             _, src, n, dst = op
-            with stream:
-                cupy.cumsum(_int64_view(ptrs[src.name] + src.offset, n, owner, device),
-                            out=_int64_view(ptrs[dst.name] + dst.offset + 8, n, owner, device))
+            cupy.cumsum(_int64_view(ptrs[src.name] + src.offset, n, owner, device),
+                        out=_int64_view(ptrs[dst.name] + dst.offset + 8, n, owner, device))
         else:  # sort int64 keys in place with CuPy's thrust sort, on (and with memory of) the launch stream
             _, ref, n = op
-            with stream:
-                _int64_view(ptrs[ref.name] + ref.offset, n, owner, device).sort()
-        if profile is not None:
+            _int64_view(ptrs[ref.name] + ref.offset, n, owner, device).sort()
+
+
+def _run_profiled(plan: _Plan, framework: str, device: int, ptrs: dict, owner: Any, stream_ptr: int) -> None:
+    """`_run` with a pair of CUDA events around each op, appended to PROFILE (tools/bench_grid_sample.py)."""
+    import cupy
+
+    stream = external_stream(stream_ptr)
+    with cupy.cuda.Device(device):
+        for step in _program(plan, device):
+            start = cupy.cuda.Event()
+            start.record(stream)
+            if step.kernel is not None:
+                for value, name, offset in step.patches:
+                    value.value = ptrs[name] + offset
+                step.kernel.launch(stream_ptr)
+            else:
+                _other_op(step.op, ptrs, owner, device, stream_ptr)
             end = cupy.cuda.Event()
             end.record(stream)
-            label = op[5] if op[0] == "launch" else f"{op[0]}({op[2]})"
-            profile.append((label, start, end))
-    # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
+            op = step.op
+            PROFILE.append((op[5] if op[0] == "launch" else f"{op[0]}({op[2]})", start, end))
 
 
 def _int64_view(ptr: int, n: int, owner: Any, device: int):
@@ -815,10 +896,7 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
     plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
     out = allocate_like(plan.outputs["output"], like=input, framework=framework, device=device)
     if plan.ops:
-        import cupy
-
-        with cupy.cuda.Device(device):
-            _run(plan, framework, device, {"input": inp.ptr, "grid": gr.ptr, "output": _ptr(out)})
+        _run(plan, framework, device, {"input": inp.ptr, "grid": gr.ptr, "output": _ptr(out)})
     return out
 
 
@@ -839,12 +917,9 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
     results = {role: allocate_like(desc, like=input if role == "grad_input" else grid, framework=framework,
                                    device=device) for role, desc in plan.outputs.items()}
     if plan.ops:
-        import cupy
-
         ptrs = {"grad_output": go.ptr, "input": inp.ptr, "grid": gr.ptr}
         ptrs.update({role: _ptr(r) for role, r in results.items()})
-        with cupy.cuda.Device(device):
-            _run(plan, framework, device, ptrs)
+        _run(plan, framework, device, ptrs)
     return results.get("grad_input"), results.get("grad_grid")
 
 

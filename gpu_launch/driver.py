@@ -52,6 +52,7 @@ def lib() -> Any:
         "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_ptr), ctypes.c_int],
         "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
         "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
+        "cuMemsetD8Async": [_u64, ctypes.c_ubyte, ctypes.c_size_t, _ptr],
         "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                            ctypes.c_uint, ctypes.c_uint, _ptr, _ptr, _ptr],
     }
@@ -172,23 +173,35 @@ def function(cubin: bytes, name: str, ordinal: int) -> int:
 class Kernel:
     """A kernel launch with its arguments packed once: `launch(stream)` after patching `args[i].value`.
 
-    `args` are ctypes scalars or structures in the kernel's parameter order; the parameter array
+    `args` are ctypes scalars, arrays or structures in the kernel's parameter order; the parameter array
     points at them, so changing a value changes the next launch and nothing is packed per call.
+    `grid` and `block` are an int or up to three dimensions; `shared` is dynamic shared memory bytes.
     """
 
-    __slots__ = ("fn", "grid", "block", "args", "_params", "_launch", "_ordinal")
+    __slots__ = ("fn", "grid", "block", "shared", "args", "_params", "_launch", "_ordinal")
 
-    def __init__(self, fn: int, *, grid: int, block: int, args: list, ordinal: int):
-        self.fn, self.grid, self.block, self.args, self._ordinal = fn, grid, block, args, ordinal
+    def __init__(self, fn: int, *, grid: int | tuple, block: int | tuple, args: list, ordinal: int, shared: int = 0):
+        self.fn, self.args, self._ordinal, self.shared = fn, args, ordinal, int(shared)
+        self.grid, self.block = _dims(grid), _dims(block)
         self._params = (_ptr * len(args))(*(ctypes.addressof(a) for a in args))
         self._launch = lib().cuLaunchKernel
 
     def launch(self, stream: int) -> None:
         # A function belongs to its device's context: launch there whatever is current on this thread.
         with device(self._ordinal):
-            status = self._launch(self.fn, self.grid, 1, 1, self.block, 1, 1, 0, stream, self._params, None)
+            status = self._launch(self.fn, *self.grid, *self.block, self.shared, stream, self._params, None)
         if status:
             raise CudaDriverError("cuLaunchKernel", status)
+
+
+def _dims(value: int | tuple) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    return (*(int(d) for d in dims), *(1,) * (3 - len(dims)))
+
+
+def memset_async(ptr: int, nbytes: int, stream: int) -> None:
+    """Zero `nbytes` at `ptr`, in `stream`'s order."""
+    _check(lib().cuMemsetD8Async(ptr, 0, nbytes, stream), "cuMemsetD8Async")
 
 
 class device:
