@@ -38,6 +38,7 @@ order, in registers and warp shuffles, so it is deterministic either way):
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import math
@@ -47,9 +48,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gpu_launch import driver
-from gpu_launch.buffers import describe
+from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
-from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer
+from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer, torch_allocator
 
 from . import compile as _compile
 
@@ -890,14 +891,17 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
 
     The result is in the input's framework and memory format (channels-last in, channels-last out).
     """
+    key = _memo_key((input, grid), ("forward", mode, padding_mode, align_corners))
+    prep = _lookup(key)
+    if prep is not None:
+        return _launch(prep, {"input": input.data_ptr(), "grid": grid.data_ptr()})["output"]
     check_options(mode, padding_mode, align_corners)  # bad option names fail before any buffer is touched
     inp, gr = describe(input, "input"), describe(grid, "grid")
     framework, device = _check_same_place({"input": inp, "grid": gr})
     plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
-    out = allocate_like(plan.outputs["output"], like=input, framework=framework, device=device)
-    if plan.ops:
-        _run(plan, framework, device, {"input": inp.ptr, "grid": gr.ptr, "output": _ptr(out)})
-    return out
+    prep = _prepared(plan, framework, device, {"output": input})
+    _remember(key, prep)
+    return _launch(prep, {"input": inp.ptr, "grid": gr.ptr})["output"]
 
 
 def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str = "bilinear",
@@ -909,18 +913,92 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
     deterministic=False: atomics (fast); True: bit-identical run to run. See `backward_guarantee`.
     grad_input takes the input's memory format, grad_grid is contiguous; both in the inputs' framework.
     """
-    check_options(mode, padding_mode, align_corners)
-    go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
-    framework, device = _check_same_place({"grad_output": go, "input": inp, "grid": gr})
-    plan = _backward_plan(device, _key(go), _key(inp), _key(gr), mode, padding_mode, bool(align_corners),
-                          bool(input_requires_grad), bool(grid_requires_grad), bool(deterministic), _tuning_key())
-    results = {role: allocate_like(desc, like=input if role == "grad_input" else grid, framework=framework,
-                                   device=device) for role, desc in plan.outputs.items()}
-    if plan.ops:
+    options = ("backward", mode, padding_mode, align_corners, input_requires_grad, grid_requires_grad, deterministic)
+    key = _memo_key((grad_output, input, grid), options)
+    prep = _lookup(key)
+    if prep is not None:
+        ptrs = {"grad_output": grad_output.data_ptr(), "input": input.data_ptr(), "grid": grid.data_ptr()}
+    else:
+        check_options(mode, padding_mode, align_corners)
+        go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
+        framework, device = _check_same_place({"grad_output": go, "input": inp, "grid": gr})
+        plan = _backward_plan(device, _key(go), _key(inp), _key(gr), mode, padding_mode, bool(align_corners),
+                              bool(input_requires_grad), bool(grid_requires_grad), bool(deterministic), _tuning_key())
+        prep = _prepared(plan, framework, device, {"grad_input": input, "grad_grid": grid})
+        _remember(key, prep)
         ptrs = {"grad_output": go.ptr, "input": inp.ptr, "grid": gr.ptr}
-        ptrs.update({role: _ptr(r) for role, r in results.items()})
-        _run(plan, framework, device, ptrs)
+    results = _launch(prep, ptrs)
     return results.get("grad_input"), results.get("grad_grid")
+
+
+# -- the call path: a geometry seen before skips the checks and the plan lookup ---------------------------
+class _Prepared(NamedTuple):
+    plan: _Plan
+    framework: str
+    device: int
+    outputs: tuple  # (role, allocate() -> a new result buffer)
+
+
+def _prepared(plan: _Plan, framework: str, device: int, likes: dict) -> _Prepared:
+    """What a call of `plan` does besides launching: allocate each result like its model buffer."""
+    outputs = []
+    for role, desc in plan.outputs.items():
+        like = likes[role]
+        allocate = torch_allocator(desc, like.device) if framework == "torch" else \
+            functools.partial(allocate_like, desc, like=like, framework=framework, device=device)
+        outputs.append((role, allocate))
+    return _Prepared(plan, framework, device, tuple(outputs))
+
+
+def _launch(prep: _Prepared, ptrs: dict) -> dict:
+    """Allocate the results and run the plan on `ptrs` (the inputs' addresses) and theirs."""
+    results = {role: allocate() for role, allocate in prep.outputs}
+    if prep.plan.ops:
+        ptrs.update({role: _ptr(r) for role, r in results.items()})
+        _run(prep.plan, prep.framework, prep.device, ptrs)
+    return results
+
+
+_memo: dict = {}  # _memo_key -> _Prepared, for torch tensors (what the checks and the plan depend on)
+_memo_tuning: list = [None]  # the TUNING the memo was filled under: plans depend on it
+
+
+def _memo_key(objs: tuple, options: tuple) -> tuple | None:
+    """Every input's shape, strides, dtype, device and address modulo 256, with the options and their types
+    (1 must not pass where True was checked); None where a buffer is not a torch tensor (the checked path
+    serves those)."""
+    tensor = torch_tensor_type()
+    if tensor is None:
+        return None
+    parts = []
+    for t in objs:
+        if not isinstance(t, tensor):
+            return None
+        parts.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 256))
+    key = (options, tuple(map(type, options)), tuple(parts))
+    if _memo_tuning[0] != TUNING:  # tests and tools retune: what was prepared under other knobs is stale
+        _memo.clear()
+        _memo_tuning[0] = copy.deepcopy(TUNING)
+    return key
+
+
+def _lookup(key: tuple | None) -> _Prepared | None:
+    try:
+        return _memo.get(key) if key is not None else None
+    except TypeError:  # an unhashable option: the checked path says what is wrong with it
+        return None
+
+
+def _remember(key: tuple | None, prep: _Prepared) -> None:
+    if key is None:
+        return
+    try:
+        hash(key)
+    except TypeError:
+        return
+    if len(_memo) >= 1024:
+        _memo.clear()
+    _memo[key] = prep
 
 
 def _ptr(obj: Any) -> int:

@@ -37,7 +37,6 @@ def lib() -> Any:
         "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
         "cuStreamEndCapture": [_ptr, ctypes.POINTER(_ptr)],
         "cuGraphInstantiateWithFlags": [ctypes.POINTER(_ptr), _ptr, ctypes.c_ulonglong],
-        "cuGraphLaunch": [_ptr, _ptr],
         "cuGraphDestroy": [_ptr],
         "cuGraphExecDestroy": [_ptr],
         "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
@@ -53,8 +52,6 @@ def lib() -> Any:
         "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
         "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
         "cuMemsetD8Async": [_u64, ctypes.c_ubyte, ctypes.c_size_t, _ptr],
-        "cuLaunchKernel": [_ptr, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                           ctypes.c_uint, ctypes.c_uint, _ptr, _ptr, _ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(cuda, name)
@@ -140,12 +137,12 @@ class GraphExec:
             cuda.cuGraphDestroy(graph)  # the executable keeps what it needs
         self.handle = exec_.value
         self._arg = exec_  # passed as is: no int -> pointer conversion per launch
-        self._launch = cuda.cuGraphLaunch
+        self._launch = _raw("cuGraphLaunch")  # no argtypes to convert through (see Kernel)
         self.launches = 0
 
     def launch(self, stream: int) -> None:
         self.launches += 1
-        status = self._launch(self._arg, stream)
+        status = self._launch(self._arg, _ptr(stream))
         if status:
             raise CudaDriverError("cuGraphLaunch", status)
 
@@ -176,22 +173,45 @@ class Kernel:
     `args` are ctypes scalars, arrays or structures in the kernel's parameter order; the parameter array
     points at them, so changing a value changes the next launch and nothing is packed per call.
     `grid` and `block` are an int or up to three dimensions; `shared` is dynamic shared memory bytes.
+    One thread launches a Kernel (its stream slot is patched in place).
     """
 
-    __slots__ = ("fn", "grid", "block", "shared", "args", "_params", "_launch", "_ordinal")
+    __slots__ = ("fn", "grid", "block", "shared", "args", "_params", "_call", "_stream", "_ordinal", "_ctx",
+                 "_current", "_current_ref", "_get_current", "_launch")
 
     def __init__(self, fn: int, *, grid: int | tuple, block: int | tuple, args: list, ordinal: int, shared: int = 0):
         self.fn, self.args, self._ordinal, self.shared = fn, args, ordinal, int(shared)
         self.grid, self.block = _dims(grid), _dims(block)
         self._params = (_ptr * len(args))(*(ctypes.addressof(a) for a in args))
-        self._launch = lib().cuLaunchKernel
+        self._stream = _ptr(0)
+        # Every argument is a ctypes object made here and the entry points carry no argtypes: ctypes then
+        # converts nothing per call (with argtypes, converting 11 ints cost ~7 us of a 10 us launch).
+        self._call = (_ptr(fn), *(ctypes.c_uint(d) for d in (*self.grid, *self.block, self.shared)), self._stream,
+                      self._params, None)
+        self._launch, self._get_current = _raw("cuLaunchKernel"), _raw("cuCtxGetCurrent")
+        self._ctx = _primary_context(ordinal)
+        self._current = _ptr()
+        self._current_ref = ctypes.byref(self._current)
 
     def launch(self, stream: int) -> None:
-        # A function belongs to its device's context: launch there whatever is current on this thread.
-        with device(self._ordinal):
-            status = self._launch(self.fn, *self.grid, *self.block, self.shared, stream, self._params, None)
+        self._stream.value = stream
+        self._get_current(self._current_ref)
+        if self._current.value == self._ctx:
+            status = self._launch(*self._call)
+        else:  # a function belongs to its device's context: launch there, then restore the caller's
+            with device(self._ordinal):
+                status = self._launch(*self._call)
         if status:
             raise CudaDriverError("cuLaunchKernel", status)
+
+
+@functools.lru_cache(maxsize=None)
+def _raw(name: str) -> Any:
+    """A libcuda entry point of its own, without argtypes: callers pass ctypes objects only."""
+    lib()  # initialised, and its library loaded
+    fn = ctypes.CDLL("libcuda.so.1")[name]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _dims(value: int | tuple) -> tuple[int, int, int]:

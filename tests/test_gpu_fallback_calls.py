@@ -60,3 +60,23 @@ def test_no_device_synchronisation(calls):
         torch.cuda.synchronize()
         assert busy and host_s < 0.25, (f"{name}: {n} calls took {host_s:.3f} s of host time; the GPU "
                                         f"{'was still busy' if busy else 'drained: a call synchronised'}")
+
+
+def test_repeated_grid_sample_calls_compute_fresh_data_and_tell_offsets_apart():
+    """The second call of a geometry skips the checks: it must still read this call's data, and a view at
+    another address modulo 256 (which the plan depends on) must not reuse the first one's plan."""
+    F = torch.nn.functional
+    base = torch.randn(2 * 8 * 12 * 12 + 3, device="cuda", dtype=torch.float32)
+    for offset in (0, 0, 3, 3, 0):
+        inp = base[offset:offset + 2 * 8 * 12 * 12].view(2, 8, 12, 12)
+        inp.normal_()
+        grid = torch.rand(2, 10, 10, 2, device="cuda") * 2.2 - 1.1
+        go = torch.randn(2, 8, 10, 10, device="cuda")
+        out = gs.grid_sample(inp, grid)
+        gi, gg = gs.grid_sample_backward(go, inp, grid)
+        x64, g64 = inp.double().requires_grad_(True), grid.double().requires_grad_(True)
+        want = F.grid_sample(x64, g64, align_corners=False)
+        want.backward(go.double())
+        for got, ref in ((out, want), (gi, x64.grad), (gg, g64.grad)):
+            err = float((got.double() - ref).norm() / ref.norm())
+            assert err < 1e-5, (offset, err)

@@ -29,6 +29,36 @@ def main() -> int:
     cases = {"grid_sample f16": lambda: gs.grid_sample(x, grid),
              "grid_sample_backward f16 fast": lambda: gs.grid_sample_backward(go, x, grid),
              "gemm_bias_act fp16 relu": lambda: gemm_bias_act(a, b, bias, activation="relu")}
+    from probe_call_path import host_us
+
+    from gpu_launch import driver
+    from gpu_launch.streams import stream_pointer
+
+    gs.grid_sample(x, grid)
+    prep = next(iter(gs._memo.values()))
+    step = gs._program(prep.plan, 0)[0]
+    stream = stream_pointer(None, "torch", 0)
+    ctx = driver.device(0)
+
+    def enter_exit():
+        with ctx:
+            pass
+
+    out = prep.outputs[0][1]()
+    ptrs = {"input": x.data_ptr(), "grid": grid.data_ptr(), "output": out.data_ptr()}
+    key = gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))
+    pieces = {
+        "grid_sample f16 (whole call)": cases["grid_sample f16"],
+        "memo key": lambda: gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False)),
+        "memo lookup": lambda: gs._lookup(key),
+        "allocate the output": prep.outputs[0][1],
+        "_run (patch + launch)": lambda: gs._run(prep.plan, "torch", 0, dict(ptrs)),
+        "Kernel.launch": lambda: step.kernel.launch(stream),
+        "driver.device enter+exit": enter_exit,
+        "stream_pointer": lambda: stream_pointer(None, "torch", 0),
+    }
+    for name, fn in pieces.items():
+        print(f"{name:40s} {host_us(fn):8.2f} us", flush=True)
     for name, fn in cases.items():
         fn()
         torch.cuda.synchronize()
