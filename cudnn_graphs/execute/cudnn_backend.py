@@ -170,9 +170,11 @@ class _Runner:
     """A new variant pack per call, as the frontend's own execute builds one: cuDNN 9.19 refuses to
     re-point a finalized pack (CUDNN_STATUS_BAD_PARAM) and copies its pointers at finalize, so a kept
     pack would run on stale buffers (tools/probe_variant_pack.py). The uid and pointer arrays are
-    built once and patched in place."""
+    built once and patched in place. Every argument of the seven backend calls is a ctypes object made
+    here and the entry points carry no argtypes, so ctypes converts nothing per call. One thread runs
+    a runner (its pack slot is reused)."""
 
-    __slots__ = ("plan", "uids", "ptrs", "moves", "args", "ws", "calls")
+    __slots__ = ("plan", "uids", "ptrs", "moves", "ws", "calls", "_pack", "_args")
 
     def __init__(self, plan: ExecutionPlan, uids, template, patch, workspace_ptr: int, handle: int):
         n = len(uids)
@@ -181,30 +183,43 @@ class _Runner:
         self.ptrs = (_ptr * n)(*template)
         self.ws = _ptr(workspace_ptr or None)
         self.moves = tuple(patch)
-        self.args = (n, handle, plan.desc)
         self.calls = _hot_calls()
+        self._pack = pack = _ptr()
+        c_int, count = ctypes.c_int, _i64(n)
+        self._args = (
+            (c_int(_VARIANT_PACK), ctypes.byref(pack)),
+            (pack, c_int(_PACK_UIDS), c_int(_TYPE_INT64), count, self.uids),
+            (pack, c_int(_PACK_POINTERS), c_int(_TYPE_VOID_PTR), count, self.ptrs),
+            (pack, c_int(_PACK_WORKSPACE), c_int(_TYPE_VOID_PTR), _i64(1), ctypes.byref(self.ws)),
+            (_ptr(handle), _ptr(plan.desc), pack),
+        )
 
     def __call__(self, values: Sequence[int]) -> None:
         ptrs = self.ptrs
         for i, slot in self.moves:
             ptrs[i] = values[slot]
-        n, handle, plan = self.args
         create, set_attr, finalize, execute, destroy = self.calls
-        pack = _ptr()
-        _check(create(_VARIANT_PACK, ctypes.byref(pack)), "cudnnBackendCreateDescriptor(VARIANT_PACK)")
+        make, uids, pointers, workspace, run = self._args
+        pack = self._pack
+        _check(create(*make), "cudnnBackendCreateDescriptor(VARIANT_PACK)")
         try:
-            _check(set_attr(pack, _PACK_UIDS, _TYPE_INT64, n, self.uids), "cudnnBackendSetAttribute(UNIQUE_IDS)")
-            _check(set_attr(pack, _PACK_POINTERS, _TYPE_VOID_PTR, n, ptrs), "cudnnBackendSetAttribute(DATA_POINTERS)")
-            _check(set_attr(pack, _PACK_WORKSPACE, _TYPE_VOID_PTR, 1, ctypes.byref(self.ws)),
-                   "cudnnBackendSetAttribute(WORKSPACE)")
+            _check(set_attr(*uids), "cudnnBackendSetAttribute(UNIQUE_IDS)")
+            _check(set_attr(*pointers), "cudnnBackendSetAttribute(DATA_POINTERS)")
+            _check(set_attr(*workspace), "cudnnBackendSetAttribute(WORKSPACE)")
             _check(finalize(pack), "cudnnBackendFinalize(VARIANT_PACK)")
-            _check(execute(handle, plan, pack), "cudnnBackendExecute")
+            _check(execute(*run), "cudnnBackendExecute")
         finally:
             destroy(pack)
 
 
 @functools.lru_cache(maxsize=1)
 def _hot_calls() -> tuple:
-    cudnn = lib()
-    return (cudnn.cudnnBackendCreateDescriptor, cudnn.cudnnBackendSetAttribute, cudnn.cudnnBackendFinalize,
-            cudnn.cudnnBackendExecute, cudnn.cudnnBackendDestroyDescriptor)
+    """The per-call entry points, each a function object of its own without argtypes (see _Runner)."""
+    cudnn = ctypes.CDLL(lib()._name)
+    calls = []
+    for name in ("cudnnBackendCreateDescriptor", "cudnnBackendSetAttribute", "cudnnBackendFinalize",
+                 "cudnnBackendExecute", "cudnnBackendDestroyDescriptor"):
+        fn = cudnn[name]
+        fn.restype = ctypes.c_int
+        calls.append(fn)
+    return tuple(calls)
