@@ -20,7 +20,7 @@ from plan_cache import PlanRecord, PlanStore
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
-from .cache.policy import importable, keep_stored
+from .cache.policy import importable, keep_stored, key_matches
 from .environment import NO_GPU, environment
 from .errors import CudnnGraphsError
 from .plan.verify import verify_load
@@ -62,7 +62,10 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     ls = subs.add_parser("ls", parents=[common], help="one row per record, most recently used first")
     ls.add_argument("--op", choices=sorted(SPEC_TYPES), help="only records of this op")
     _json_option(ls)
-    _json_option(subs.add_parser("stats", parents=[common], help="totals by op, by chooser, by environment"))
+    stats = subs.add_parser("stats", parents=[common], help="totals by op, by chooser, by environment")
+    stats.add_argument("--remote", action="store_true", help="also the remote cache's ($%s) records and counters"
+                       % config.REMOTE_CACHE)
+    _json_option(stats)
     verify = subs.add_parser("verify", parents=[common], help="check every record (and with a GPU, that it loads)")
     verify.add_argument("--load", action=argparse.BooleanOptionalAction, default=None,
                         help="also load each plan on the GPU (default: when a GPU and cuDNN are present)")
@@ -82,6 +85,12 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     imp.add_argument("--all", action="store_true",
                      help="import records made for any environment, not only for this machine")
     _device_option(imp)
+    push = subs.add_parser("push", parents=[common], help="copy local records to the remote cache (signed)")
+    pull = subs.add_parser("pull", parents=[common], help="copy the remote cache's records here (verified)")
+    for sub in (push, pull):
+        sub.add_argument("--remote", metavar="URL", help="redis://host:port/db (default: $%s)" % config.REMOTE_CACHE)
+    pull.add_argument("--all", action="store_true", help="pull records made for any environment, not only this machine's")
+    _device_option(pull)
     return cache
 
 
@@ -99,7 +108,7 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
 
 
-_READ_ONLY = ("ls", "stats", "verify", "export")
+_READ_ONLY = ("ls", "stats", "verify", "export", "push")
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -107,8 +116,8 @@ def run_cache(args: argparse.Namespace) -> int:
     try:
         root = config.cache_dir() if getattr(args, "cache", None) is None else args.cache
         if args.cache_command in _READ_ONLY and not os.path.lexists(root):  # looking must not create it
-            if args.cache_command == "export":
-                return _fail(f"no plan cache at {root}: nothing to export", 1)
+            if args.cache_command in ("export", "push"):
+                return _fail(f"no plan cache at {root}: nothing to {args.cache_command}", 1)
             print(f"no plan cache at {root} (nothing has been cached there yet)")
             return 0
         store = _open_store(root)
@@ -301,6 +310,8 @@ def _ls_cells(s: dict, now: float) -> list[Any]:
 
 def _stats(store: PlanStore, args) -> int:
     info = _stats_info(store)
+    if args.remote:
+        info["remote"] = _remote_stats(args)
     if args.json:
         _dump(info)
         return 0
@@ -317,6 +328,12 @@ def _stats(store: PlanStore, args) -> int:
     for title, field in (("OP", "by_op"), ("CHOSEN BY", "by_chosen_by"), ("ENVIRONMENT", "by_environment")):
         counts = sorted(info[field].items(), key=lambda item: (-item[1], item[0]))
         print("\n" + _table([title, "ENTRIES"], [list(item) for item in counts], right=(1,)))
+    if args.remote:
+        remote = info["remote"]
+        print("\n" + _table(["REMOTE", remote["url"]], [
+            ["reachable", "yes" if remote["reachable"] else "no"], ["records", remote["records"]],
+            ["server memory", f"{human_bytes(remote.get('server_used_memory'))} used, cap "
+                              f"{human_bytes(remote.get('server_maxmemory') or None) if remote.get('server_maxmemory') else 'none'}"]]))
     return 0
 
 
@@ -489,5 +506,70 @@ def _foreign_note(env) -> str:
             f"{env.gpu_name}; --all imports them anyway")
 
 
+# --- the remote tier --------------------------------------------------------------------------------------
+
+def _remote(url: str | None):
+    from .cache import open_remote
+
+    url = url or config.remote_cache_url()
+    if url is None:
+        raise _Exit(f"no remote cache: pass --remote URL or set ${config.REMOTE_CACHE}", 2)
+    if config.remote_cache_key() is None:
+        raise _Exit(f"the remote cache needs a signing key: set ${config.REMOTE_KEY} or ${config.REMOTE_KEY_FILE} "
+                    "(the same on every machine that shares it)", 2)
+    remote = open_remote(url)
+    if remote is None:
+        raise _Exit(f"remote cache {url} could not be set up (the warning above says why)", 2)
+    return remote
+
+
+def _reachable(remote) -> None:
+    if not remote.stats()["reachable"]:
+        raise _Exit(f"remote cache {remote.url} is not reachable (the warning above says why)", 1)
+
+
+def _push(store: PlanStore, args) -> int:
+    remote = _remote(args.remote)
+    _reachable(remote)
+    counts = Counter()
+    for row in _rows(store):
+        if row.record is None:
+            counts["unreadable here, skipped"] += 1
+        elif not key_matches(row.record):
+            counts["skipped: key not its own"] += 1
+        elif remote.put(row.record, keep_existing=keep_stored):
+            counts["pushed"] += 1
+        else:
+            counts["not pushed: the remote's is autotuned, or the remote failed"] += 1
+    print(_table(["PUSH", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pushed", 0]], right=(1,)))
+    return 0
+
+
+def _pull(store: PlanStore, args) -> int:
+    remote = _remote(args.remote)
+    _reachable(remote)
+    env = None if args.all else environment(args.device)
+    counts = Counter()
+    for key in remote.keys():
+        record = remote.get(key)
+        if record is None:
+            counts["refused: unsigned, signed with another key, or damaged"] += 1
+        elif not importable(record, env):
+            counts["skipped: for another environment, made with no GPU, or a key not its own"] += 1
+        elif store.put(record, keep_existing=functools.partial(keep_stored, record)):
+            counts["pulled"] += 1
+        else:
+            counts["kept the local record (it was autotuned)"] += 1
+    print(_table(["PULL", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pulled", 0]], right=(1,)))
+    return 0
+
+
+def _remote_stats(args) -> dict[str, Any]:
+    remote = _remote(None)
+    out = remote.stats()
+    out["records"] = len(list(remote.keys())) if out["reachable"] else None
+    return out
+
+
 _COMMANDS = {"ls": _ls, "stats": _stats, "verify": _verify, "prune": _prune, "clear": _clear,
-             "export": _export, "import": _import}
+             "export": _export, "import": _import, "push": _push, "pull": _pull}

@@ -18,7 +18,14 @@ CACHE_MAX_BYTES = "CUDNN_GRAPHS_CACHE_MAX_BYTES"
 RECORD = "CUDNN_GRAPHS_RECORD"
 POLICY = "CUDNN_GRAPHS_POLICY"
 SYSTEM_CACHE_DIR = "CUDNN_GRAPHS_SYSTEM_CACHE_DIR"
+REMOTE_CACHE = "CUDNN_GRAPHS_REMOTE_CACHE"
+REMOTE_KEY = "CUDNN_GRAPHS_REMOTE_KEY"
+REMOTE_KEY_FILE = "CUDNN_GRAPHS_REMOTE_KEY_FILE"
+REMOTE_TIMEOUT = "CUDNN_GRAPHS_REMOTE_TIMEOUT"
 POLICIES = ("heuristic", "autotune")
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+MIN_REMOTE_KEY_BYTES = 16
+DEFAULT_REMOTE_TIMEOUT = 0.5
 
 DEFAULT_MEMORY_CACHE_SIZE = 1024
 DEFAULT_CACHE_MAX_BYTES = 4 << 30  # runtime-compiled plans are ~0.1 MB: tens of thousands of them
@@ -139,6 +146,65 @@ def default_policy() -> str:
     return raw.strip().lower()
 
 
+def remote_cache_url() -> str | None:
+    """$CUDNN_GRAPHS_REMOTE_CACHE: the Redis server sessions share plans through, or None."""
+    raw = _raw(REMOTE_CACHE)
+    if raw is None or raw.strip() == "":
+        return None
+    if not raw.strip().startswith(REMOTE_SCHEMES):
+        raise ConfigError(REMOTE_CACHE, raw, f"expected a URL starting with one of {list(REMOTE_SCHEMES)}, "
+                          "e.g. redis://cache-host:6379/0")
+    return raw.strip()
+
+
+def remote_cache_key() -> bytes | None:
+    """The secret remote records are signed with: $CUDNN_GRAPHS_REMOTE_KEY, else the contents of
+    $CUDNN_GRAPHS_REMOTE_KEY_FILE (a regular file of this user's that no one else may read), else None."""
+    raw = _raw(REMOTE_KEY)
+    if raw is not None and raw.strip() != "":
+        if len(raw.strip().encode()) < MIN_REMOTE_KEY_BYTES:
+            raise ConfigError(REMOTE_KEY, "<hidden>", f"is shorter than {MIN_REMOTE_KEY_BYTES} bytes")
+        return raw.strip().encode()
+    path = _raw(REMOTE_KEY_FILE)
+    if path is None or path.strip() == "":
+        return None
+    return _key_file(Path(path).expanduser(), path)
+
+
+def _key_file(path: Path, raw: str) -> bytes:
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(REMOTE_KEY_FILE, raw, "is not a regular file")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise ConfigError(REMOTE_KEY_FILE, raw, "is owned by another user")
+    if st.st_mode & 0o077:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"is readable or writable by others (mode {st.st_mode & 0o777:o}); "
+                          "chmod 600 it")
+    key = path.read_bytes().strip()
+    if len(key) < MIN_REMOTE_KEY_BYTES:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"holds fewer than {MIN_REMOTE_KEY_BYTES} bytes")
+    return key
+
+
+def remote_cache_timeout() -> float:
+    """$CUDNN_GRAPHS_REMOTE_TIMEOUT: seconds each remote call may take (default 0.5)."""
+    raw = _raw(REMOTE_TIMEOUT)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_REMOTE_TIMEOUT
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(REMOTE_TIMEOUT, raw, "expected seconds, e.g. 0.5") from None
+    if not 0 < value <= 60:
+        raise ConfigError(REMOTE_TIMEOUT, raw, "must be > 0 and <= 60 seconds")
+    return value
+
+
 def library_dirs() -> list[str]:
     """$LD_LIBRARY_PATH's directories: searched first for libcudnn, as the cuDNN frontend does, so both
     load the same library. Not ours to validate: the dynamic loader reads it too."""
@@ -150,7 +216,8 @@ def problems() -> dict[str, str]:
     what `cudnn-graphs env` reports before a Session() would raise it."""
     checks = {CACHE_DIR: cache_dir, MEMORY_CACHE_SIZE: memory_cache_size, DISABLE_CACHE: cache_disabled,
               CACHE_MAX_BYTES: cache_max_bytes, RECORD: record_path, POLICY: default_policy,
-              SYSTEM_CACHE_DIR: system_cache_dir}
+              SYSTEM_CACHE_DIR: system_cache_dir, REMOTE_CACHE: remote_cache_url, REMOTE_KEY: remote_cache_key,
+              REMOTE_TIMEOUT: remote_cache_timeout}
     out = {}
     for name, check in checks.items():
         try:
@@ -162,5 +229,7 @@ def problems() -> dict[str, str]:
 
 def describe() -> dict[str, str | None]:
     """Each variable with its raw value, for `cudnn-graphs env` and bug reports."""
-    return {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD, POLICY,
-                                          SYSTEM_CACHE_DIR)}
+    shown = {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD,
+                                           POLICY, SYSTEM_CACHE_DIR, REMOTE_CACHE, REMOTE_KEY_FILE, REMOTE_TIMEOUT)}
+    shown[REMOTE_KEY] = None if _raw(REMOTE_KEY) is None else "<set, hidden>"  # a secret never goes in a report
+    return shown

@@ -90,5 +90,27 @@ def _cache(args) -> tuple[str, str]:
                   + (f" of a {cap}-byte cap" if cap else ", no cap") + "; a first call loads its plan from here")
 
 
+def _remote(args) -> tuple[str, str]:
+    problems = config.problems()
+    if any(name.startswith("CUDNN_GRAPHS_REMOTE") for name in problems):
+        return "FAIL", "see configuration"
+    url = config.remote_cache_url()
+    if url is None:
+        return "ok", f"off (set {config.REMOTE_CACHE}=redis://host:port/db to share plans across machines)"
+    if config.remote_cache_key() is None:
+        return "warn", (f"{url} is off: no signing key. Fix: set {config.REMOTE_KEY} or {config.REMOTE_KEY_FILE} "
+                        "(a file only you can read), the same secret on every machine")
+    from .cache import open_remote
+
+    remote = open_remote(url)
+    if remote is None:
+        return "FAIL", f"{url} could not be set up (the warning above says why); pip install 'cudnn-graphs[remote]'"
+    stats = remote.stats()
+    if not stats["reachable"]:
+        return "warn", f"{url} is not reachable now; sessions go on from the local cache"
+    return "ok", f"{url}: {len(list(remote.keys()))} records; read after the local cache, written through"
+
+
 _CHECKS: list[tuple[str, Callable]] = [("GPU", _gpu), ("libcudnn", _cudnn), ("frontend", _frontend),
-                                       ("configuration", _configuration), ("plan cache", _cache)]
+                                       ("configuration", _configuration), ("plan cache", _cache),
+                                       ("remote cache", _remote)]

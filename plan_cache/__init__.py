@@ -2,14 +2,16 @@
 
 `PlanStore(root)` keeps each `PlanRecord` in its own self-checking file (see `plan_cache.record` for the
 format), is safe for many processes at once, caps its size by evicting least recently used records, and treats
-any corrupt or untrusted file as a miss. Kept separate from `cudnn_graphs` so it can be used and tested without
+any corrupt or untrusted file as a miss. `RemoteStore(url, secret=)` shares signed records through Redis.
+Kept separate from `cudnn_graphs` so it can be used and tested without
 a GPU or the cuDNN frontend.
 """
 
 from .bundle import CorruptBundleError, ImportReport, export_bundle, import_bundle
 from .errors import CacheError, CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, PlanRecord
+from .remote import RemoteCacheError, RemoteStore
 from .store import PlanStore
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CorruptBundleError", "CorruptRecordError", "ImportReport", "PlanRecord",
-           "PlanStore", "UntrustedCacheError", "export_bundle", "import_bundle"]
+           "PlanStore", "RemoteCacheError", "RemoteStore", "UntrustedCacheError", "export_bundle", "import_bundle"]

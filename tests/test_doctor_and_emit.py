@@ -21,9 +21,18 @@ def _doctor(capsys) -> tuple[int, dict[str, str]]:
 
 def test_doctor_lists_every_check(capsys, cache_dir):
     code, status = _doctor(capsys)
-    assert set(status) == {"GPU", "libcudnn", "frontend", "configuration", "plan cache"}
-    assert status["configuration"] == "ok" and status["plan cache"] == "ok"
+    assert set(status) == {"GPU", "libcudnn", "frontend", "configuration", "plan cache", "remote cache"}
+    assert status["configuration"] == "ok" and status["plan cache"] == "ok" and status["remote cache"] == "ok"
     assert code == (1 if gpu_problem(0) else 0) and (status["GPU"] == "FAIL") == bool(gpu_problem(0))
+
+
+def test_doctor_says_why_the_remote_cache_is_off(capsys, monkeypatch):
+    monkeypatch.setenv(config.REMOTE_CACHE, "redis://127.0.0.1:1/0")
+    monkeypatch.delenv(config.REMOTE_KEY, raising=False)
+    monkeypatch.delenv(config.REMOTE_KEY_FILE, raising=False)
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "remote cache" in out and "no signing key" in out and config.REMOTE_KEY in out
 
 
 def test_doctor_flags_bad_settings_and_a_cache_others_can_write(capsys, monkeypatch, tmp_path):

@@ -45,3 +45,49 @@ def open_store(cache: Any):
     else:
         raise TypeError(f"cache={cache!r}: expected None, False, a directory path or a plan_cache.PlanStore")
     return PlanStore.open_or_none(root, max_bytes=max_bytes)
+
+
+_remotes: dict[tuple, Any] = {}  # one client (and connection pool) per (url, secret, timeout) per process
+
+
+def open_remote(remote: Any = None):
+    """The remote tier a session writes through to and reads after its local stores, or None.
+
+    `None`: $CUDNN_GRAPHS_REMOTE_CACHE (off when unset); `False`: off; a URL; or a
+    `plan_cache.RemoteStore` used as is. Without a signing key the tier stays off with one warning:
+    records from a remote load native code, so unsigned sharing is not offered.
+    """
+    from plan_cache import RemoteCacheError, RemoteStore
+
+    if remote is False:
+        return None
+    if isinstance(remote, RemoteStore):
+        return remote
+    if remote is not None and not isinstance(remote, str):
+        raise TypeError(f"remote={remote!r}: expected None, False, a redis:// URL or a plan_cache.RemoteStore")
+    url = remote if remote is not None else config.remote_cache_url()
+    if url is None:
+        return None
+    secret = config.remote_cache_key()
+    if secret is None:
+        _warn_once(("nokey", url), "remote plan cache %s is off: no signing key ($%s or $%s)", url, config.REMOTE_KEY,
+                   config.REMOTE_KEY_FILE)
+        return None
+    slot = (url, secret, config.remote_cache_timeout())
+    store = _remotes.get(slot)
+    if store is None:
+        try:
+            store = _remotes.setdefault(slot, RemoteStore(url, secret=secret, timeout=slot[2]))
+        except RemoteCacheError as err:
+            _warn_once(("setup", url), "remote plan cache %s is off: %s", url, err)
+            return None
+    return store
+
+
+_warned: set = set()
+
+
+def _warn_once(what: tuple, message: str, *args: Any) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        log.warning(message, *args)

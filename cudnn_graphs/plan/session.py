@@ -14,7 +14,8 @@ import numpy as np
 from gpu_launch import driver
 
 from .. import config
-from ..cache import keep_stored, load_plan, open_store, open_system_store, plan_to_record, rank
+from ..cache import keep_stored, load_plan, open_remote, open_store, open_system_store, plan_to_record, rank
+from ..cache.policy import for_machine, key_matches
 from ..environment import environment, gpu_problem
 from ..execute import cudnn_backend
 from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("cudnn_graphs")
 
 
-_COUNTERS = ("memory_hits", "disk_hits", "builds", "autotuned", "timings", "rebuilds_from_knobs",
-             "rebuilds_from_heuristics", "disk_writes", "build_ms", "load_ms")
+_COUNTERS = ("memory_hits", "disk_hits", "remote_hits", "remote_refused", "remote_writes", "builds", "autotuned",
+             "timings", "rebuilds_from_knobs", "rebuilds_from_heuristics", "disk_writes", "build_ms", "load_ms")
 POLICIES = config.POLICIES
 _BACKEND_LOADS = True  # stored plans load through the backend where they can (tests turn it off)
 AUTOTUNE_INPUTS = ("scratch", "request")
@@ -96,9 +97,12 @@ class Session:
 
     def __init__(self, *, device: int | None = None, deterministic: bool = False, allow_tf32: bool = True,
                  max_workspace_bytes: int | None = None, fuse: bool = True, cache: Any = None,
-                 policy: str | None = None, autotune_limit: int | None = None, autotune_inputs: str = "scratch"):
+                 policy: str | None = None, autotune_limit: int | None = None, autotune_inputs: str = "scratch",
+                 remote: Any = None):
         """`cache`: None for the configured on-disk cache, False for memory only, a directory, or a
         `plan_cache.PlanStore`. `fuse=False` skips the fused graph: conv graph, then the epilogue alone.
+        `remote`: None for $CUDNN_GRAPHS_REMOTE_CACHE, False for none, a redis:// URL or a
+        `plan_cache.RemoteStore`: read after the local stores, written through off the caller's path.
 
         `policy="autotune"` times every candidate plan (heuristics A, B, FALLBACK) and keeps the fastest;
         `autotune_limit` caps how many are timed (like torch's benchmark_limit); `autotune_inputs="request"`
@@ -125,6 +129,7 @@ class Session:
         self.store = open_store(cache)
         # A team's read-only tier, consulted after the user's (unless this session keeps no cache at all).
         self.system_store = open_system_store() if cache is not False else None
+        self.remote = open_remote(remote) if cache is not False else None
         self._memory: OrderedDict[Any, Plan] = OrderedDict()  # LRU by spec: equal specs have equal signatures
         self._memory_size = config.memory_cache_size()
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -217,7 +222,8 @@ class Session:
             if held is not None:
                 self._remember(spec, held)
                 return "in_memory"
-            if not any(store is not None and store.path_of(key).exists() for store in (self.store, self.system_store)):
+            on_disk = any(store is not None and store.path_of(key).exists() for store in (self.store, self.system_store))
+            if not on_disk and self.remote is None:
                 return "missing"
             with driver.device(self.device):  # a background thread starts with no current device
                 plan = self._load_stored(spec, key)
@@ -257,6 +263,8 @@ class Session:
         record = self.store.get(key) if self.store is not None else None
         if record is None and self.system_store is not None:
             record = self.system_store.get(key)
+        if record is None and self.remote is not None:
+            record = self._remote_record(key)
         if record is not None and self.policy == "autotune" and rank(record.meta) == 0:
             return None  # a heuristic choice: tune it now and upgrade the record
         if record is None:
@@ -272,13 +280,31 @@ class Session:
             self._store(outcome.plan)
         return outcome.plan
 
+    def _remote_record(self, key: str):
+        """The remote's record for `key` once it proves itself: signed (the store checks), its key the
+        signature of its own spec and environment, made on a machine like this one; then kept locally."""
+        record = self.remote.get(key)
+        if record is None:
+            return None
+        if not key_matches(record) or not for_machine(record.meta, self.env):
+            self._count("remote_refused")
+            log.warning("remote plan cache: record %s refused (its key is not its spec's and environment's "
+                        "signature on this machine)", key[:16])
+            return None
+        self._count("remote_hits")
+        if self.store is not None:
+            self.store.put(record, keep_existing=functools.partial(keep_stored, record))
+        return record
+
     def _store(self, plan: Plan) -> None:
-        if self.store is None:
+        if self.store is None and self.remote is None:
             return
         record = plan_to_record(plan, env=self.env, policy=self._policy)
         # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
-        if self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
+        if self.store is not None and self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
             self._count("disk_writes")
+        if self.remote is not None:
+            _write_through(self, record)
 
     def counters(self) -> dict[str, Any]:
         """This session's counters alone (memory/disk hits, builds, autotunes, timings, ...): no disk access."""
@@ -292,6 +318,8 @@ class Session:
         store = self.store.stats() if self.store is not None else {}
         out["corrupt_records"] = store.get("corrupt", 0)
         out["cache_dir"] = str(self.store.root) if self.store is not None else None
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         return out
 
     def run(self, request, *, stream: Any = None) -> Any:
@@ -514,6 +542,31 @@ class Session:
 
 _sessions: dict[int, Session] = {}
 _sessions_lock = threading.Lock()
+_writer: list = []  # the process's one remote-writer thread, started on first use
+
+
+def _write_through(session: Session, record) -> None:
+    """Write `record` to the session's remote on a background thread: the caller never waits for the
+    network; a record never replaces a better one there (checked atomically by the store)."""
+    if not _writer:
+        with _sessions_lock:
+            if not _writer:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _writer.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudnn-graphs-remote"))
+    remote = session.remote
+
+    def write() -> None:
+        if remote.put(record, keep_existing=keep_stored):
+            session._count("remote_writes")
+
+    _writer[0].submit(write)
+
+
+def flush_remote_writes(timeout: float | None = None) -> None:
+    """Wait until every remote write queued so far is done (the CLI and tests; never needed on a hot path)."""
+    if _writer:
+        _writer[0].submit(lambda: None).result(timeout=timeout)
 
 
 def default_session(device: int = 0) -> Session:
