@@ -64,6 +64,8 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("--autotune-limit", type=_positive_int, default=None, metavar="N",
                    help="time at most N candidates per graph")
     w.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+    w.add_argument("--devices", metavar="all|I,J,...", help="spread the specs over these GPUs, one worker process "
+                   "each, all writing one cache (identical GPUs share every record)")
     w.add_argument("--cache", metavar="DIR", help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user "
                    "cache dir)")
     w.add_argument("--dry-run", action="store_true", help="print specs and signatures only; needs no GPU")

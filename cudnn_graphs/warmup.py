@@ -27,6 +27,7 @@ class Summary:
     counts: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     seconds: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0.0))
     problems: list = field(default_factory=list)  # (where, outcome, message)
+    by_device: dict = field(default_factory=dict)  # GPU ordinal -> specs it planned (--devices)
 
     def add(self, outcome: str, seconds: float, where: str = "", message: str = "") -> None:
         self.counts[outcome] += 1
@@ -80,13 +81,47 @@ def run_warmup(args) -> int:
         return 1 if errors else 0
     from .environment import gpu_problem
 
-    problem = gpu_problem(args.device)
+    devices = [args.device]
+    if getattr(args, "devices", None):
+        try:
+            devices = parse_devices(args.devices)
+        except ValueError as err:
+            print(f"cudnn-graphs warmup: --devices {args.devices!r}: {err}", file=sys.stderr)
+            return 2
+    problem = next((p for p in map(gpu_problem, devices) if p is not None), None)
     if problem is not None:  # one message, not one driver error per spec
         print(f"cudnn-graphs warmup: {NoGpuError(problem)}", file=sys.stderr)
         return 2
-    summary = _plan_all(sources, args)
+    if getattr(args, "devices", None):
+        from .warmup_devices import plan_on_devices
+
+        summary = plan_on_devices(sources, args, devices)
+    else:
+        summary = _plan_all(sources, args)
     _print_summary(summary, args, bad_lines=len(errors))
     return 1 if errors or summary.counts["failed"] or summary.counts["unsupported"] else 0
+
+
+def parse_devices(text: str, count: int | None = None) -> list[int]:
+    """`all` or comma-separated ordinals, checked against the GPUs this process sees; ValueError if not."""
+    if count is None:
+        from gpu_launch.driver import device_count
+
+        count = device_count()
+    if count == 0:
+        raise ValueError("no CUDA GPU is visible")
+    if text.strip().lower() == "all":
+        return list(range(count))
+    try:
+        devices = [int(part, 10) for part in text.split(",")]
+    except ValueError:
+        raise ValueError("expected 'all' or GPU ordinals such as 0,1") from None
+    bad = [d for d in devices if not 0 <= d < count]
+    if bad:
+        raise ValueError(f"no GPU {bad[0]} here (this process sees {count}: 0..{count - 1})")
+    if len(set(devices)) != len(devices):
+        raise ValueError("a GPU is listed twice")
+    return devices
 
 
 def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
@@ -151,10 +186,11 @@ def describe_spec(spec) -> str:
             + (f" +{'+'.join(extra)}" if extra else ""))
 
 
-def _plan_all(sources: list[SpecSource], args) -> Summary:
+def warmup_session(args, device: int):
+    """The session a warm-up plans with on `device`; CudnnGraphsError when it would keep nothing."""
     from .plan import Session
 
-    session = Session(device=args.device, cache=args.cache, policy="autotune" if args.autotune else "heuristic",
+    session = Session(device=device, cache=args.cache, policy="autotune" if args.autotune else "heuristic",
                       autotune_limit=args.autotune_limit)
     if session.store is None:
         from . import config
@@ -163,9 +199,17 @@ def _plan_all(sources: list[SpecSource], args) -> Summary:
             raise CudnnGraphsError(f"the plan cache is disabled ({config.DISABLE_CACHE} is set): a warm-up would "
                                    f"keep nothing; unset it, or pass --cache DIR")
         raise CudnnGraphsError("the plan cache could not be opened (see the warning above); nothing would be kept")
+    return session
+
+
+def _plan_all(sources: list[SpecSource], args) -> Summary:
+    from .plan.session import flush_remote_writes
+
+    session = warmup_session(args, args.device)
     summary = Summary()
     for source in _progress(sources, args):
         summary.add(*_plan_one(session, source))
+    flush_remote_writes()  # the remote gets every record before the command returns
     return summary
 
 
@@ -191,12 +235,12 @@ def _outcome(before: dict, after: dict) -> str:
     return "cached"
 
 
-def _progress(items: list, args) -> Iterator:
+def _progress(items, args, total: int | None = None) -> Iterator:
     if args.no_progress or not sys.stderr.isatty():
         return iter(items)
     from tqdm import tqdm
 
-    return iter(tqdm(items, desc="warmup", unit="spec", file=sys.stderr))
+    return iter(tqdm(items, desc="warmup", unit="spec", file=sys.stderr, total=total))
 
 
 def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
@@ -204,6 +248,7 @@ def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
         import json
 
         print(json.dumps({"counts": summary.counts, "seconds": {k: round(v, 3) for k, v in summary.seconds.items()},
+                          "by_device": {str(k): v for k, v in sorted(summary.by_device.items())},
                           "bad_lines": bad_lines, "problems": [{"where": w, "outcome": o, "message": m}
                                                                for w, o, m in summary.problems]}, indent=1))
         return
@@ -214,6 +259,8 @@ def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
     for name, count, seconds in rows:
         print(f"{name:{width}s}  {count:5d}  {seconds:>8s}")
     print(f"{'total':{width}s}  {total[0]:5d}  {total[1]:>8s}")
+    if summary.by_device:
+        print("per GPU: " + ", ".join(f"{device}: {n} specs" for device, n in sorted(summary.by_device.items())))
     if bad_lines:
         print(f"{bad_lines} spec-file line(s) could not be read (listed above)")
     for where, outcome, message in summary.problems:

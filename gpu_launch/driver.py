@@ -47,6 +47,7 @@ def lib() -> Any:
         "cuCtxSetCurrent": [_ptr],
         "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
         "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
         "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
         "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_ptr), ctypes.c_int],
         "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
@@ -78,6 +79,16 @@ def _is_capturing_fn(stream, status_ref) -> int:
 
 
 _IS_CAPTURING = _is_capturing_fn
+
+
+def device_count() -> int:
+    """How many CUDA devices this process sees (0 without a driver)."""
+    try:
+        cuda = lib()
+    except CudaDriverError:
+        return 0
+    count = ctypes.c_int(0)
+    return count.value if cuda.cuDeviceGetCount(ctypes.byref(count)) == 0 else 0
 
 
 _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR

@@ -154,3 +154,45 @@ def test_a_recording_that_cannot_write_warns_once_and_never_raises(tmp_path, cap
         recording.note(cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3)))
         recording.note(cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), stride=2))
     assert sum("record mode" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_devices_are_all_or_distinct_visible_ordinals():
+    from cudnn_graphs.warmup import parse_devices
+
+    assert parse_devices("all", count=4) == [0, 1, 2, 3]
+    assert parse_devices("ALL", count=2) == [0, 1]
+    assert parse_devices("2,0", count=4) == [2, 0]
+    for text, message in (("0,0", "twice"), ("4", "no GPU 4"), ("a,b", "ordinals"), ("-1", "no GPU -1")):
+        with pytest.raises(ValueError, match=message):
+            parse_devices(text, count=4)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        parse_devices("all", count=0)
+
+
+def test_warmup_devices_without_a_gpu_is_one_clear_message(capsys, monkeypatch):
+    from cudnn_graphs import warmup
+
+    monkeypatch.setattr(warmup, "parse_devices", lambda text: [0, 1])
+    import sys
+
+    monkeypatch.setattr(sys.modules["cudnn_graphs.environment"], "gpu_problem", lambda device: "no CUDA driver")
+    assert main(["warmup", "--preset", "resnet50", "--devices", "all", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA driver" in err and err.count("\n") == 1
+
+
+def test_specs_spread_over_worker_processes_and_every_outcome_comes_back(tmp_path):
+    """The --devices machinery on a CPU: two spawned workers share one queue; with no GPU every spec fails
+    (NoGpuError inside the worker), and the parent still gets one outcome per spec, counted per worker."""
+    from types import SimpleNamespace
+
+    from cudnn_graphs.warmup import SpecSource
+    from cudnn_graphs.warmup_devices import plan_on_devices
+
+    specs = [cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=p) for p in range(6)]
+    sources = [SpecSource(f"test:{i}", s) for i, s in enumerate(specs)]
+    args = SimpleNamespace(cache=str(tmp_path / "cache"), autotune=False, autotune_limit=None, no_progress=True)
+    summary = plan_on_devices(sources, args, [0, 1])
+    assert sum(summary.counts.values()) == 6 and sum(summary.by_device.values()) == 6
+    if not cg.environment(0).has_gpu:
+        assert summary.counts["failed"] == 6 and all("NoGpuError" in m for _, _, m in summary.problems)

@@ -1,0 +1,85 @@
+"""`cudnn-graphs warmup --devices`: the specs spread over several GPUs, one worker process per GPU.
+
+Workers take the next spec from one queue (autotuning times differ by spec, so a fixed split would leave
+GPUs idle), plan it in a session on their GPU and report the outcome; all write one cache (the store is
+safe for many processes) and, when configured, the remote. Keys hold no device index, so a record a worker
+wrote on GPU 1 serves GPU 0 of this node and every identical node. The parent draws one progress bar and
+one summary over all of them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import sys
+from .warmup import SpecSource, Summary, _plan_one, _progress, warmup_session
+
+_RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
+
+
+def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summary:
+    ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable; workers start clean
+    tasks, results = ctx.Queue(), ctx.Queue()
+    for i, source in enumerate(sources):
+        tasks.put((i, source.where, source.spec.to_dict()))
+    for _ in devices:
+        tasks.put(None)  # one stop mark per worker
+    options = {"cache": args.cache, "autotune": args.autotune, "autotune_limit": args.autotune_limit}
+    workers = [ctx.Process(target=_worker, args=(device, options, tasks, results), daemon=True,
+                           name=f"cudnn-graphs-warmup-gpu{device}") for device in devices]
+    for w in workers:
+        w.start()
+    summary = Summary(by_device=dict.fromkeys(devices, 0))
+    try:
+        for device, outcome in _progress(_results(results, workers, len(sources)), args, total=len(sources)):
+            if device >= 0:  # -1: lost with a worker that died
+                summary.by_device[device] += 1
+            summary.add(*outcome)
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.terminate()
+    return summary
+
+
+def _results(results, workers, expected: int):
+    """(device, outcome) per spec as workers finish them; a worker that dies fails what it had not reported."""
+    received = 0
+    while received < expected:
+        try:
+            item = results.get(timeout=_RESULT_TIMEOUT)
+        except queue.Empty:
+            if any(w.is_alive() for w in workers):
+                continue
+            for _ in range(expected - received):  # every worker is gone: the rest will never come
+                yield -1, ("failed", 0.0, "warmup", "a worker process exited before planning this spec")
+            return
+        kind, device, payload = item
+        if kind == "error":  # the worker could not start its session: it planned nothing
+            print(f"cudnn-graphs warmup: GPU {device}: {payload}", file=sys.stderr)
+            continue
+        received += 1
+        yield device, payload
+
+
+def _worker(device: int, options: dict, tasks, results) -> None:
+    """One GPU's worker: plan specs from `tasks` until the stop mark, report each outcome."""
+    from types import SimpleNamespace
+
+    from .plan.session import flush_remote_writes
+    from .spec import spec_from_dict
+
+    try:
+        session = warmup_session(SimpleNamespace(**options), device)
+    except Exception as err:  # a session that keeps nothing, a bad configuration: say so, leave the specs to others
+        results.put(("error", device, f"{type(err).__name__}: {err}"))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        _, where, data = task
+        outcome = _plan_one(session, SpecSource(where, spec_from_dict(data)))
+        results.put(("done", device, outcome))
+    flush_remote_writes()
