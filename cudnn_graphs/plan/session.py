@@ -102,7 +102,8 @@ class Session:
         """`cache`: None for the configured on-disk cache, False for memory only, a directory, or a
         `plan_cache.PlanStore`. `fuse=False` skips the fused graph: conv graph, then the epilogue alone.
         `remote`: None for $CUDNN_GRAPHS_REMOTE_CACHE, False for none, a redis:// URL or a
-        `plan_cache.RemoteStore`: read after the local stores, written through off the caller's path.
+        `plan_cache.RemoteStore`: read after the local stores, written through off the caller's path
+        (never with `cache=False`, which keeps plans in memory only).
 
         `policy="autotune"` times every candidate plan (heuristics A, B, FALLBACK) and keeps the fastest;
         `autotune_limit` caps how many are timed (like torch's benchmark_limit); `autotune_inputs="request"`
