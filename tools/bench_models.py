@@ -1,6 +1,7 @@
 """Benchmark (GPU host): torchvision networks with `cudnn_graphs.torch.convert` against torch, one run.
 
     python3 tools/bench_models.py --out results.json [--models resnet50 ...] [--compile] [--plot out.png]
+    python3 tools/bench_models.py --plot-from results.json [--plot out.png]   # redraw, no GPU
 
 Per model (AMP fp16 autocast, channels_last, cudnn.benchmark=True for torch):
 - train: steady-state ms per training step (forward, cross-entropy, backward, SGD) at --train-batch,
@@ -173,7 +174,8 @@ def loss_curves(base, args) -> dict[str, list[float]]:
     return curves
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, *, title: str = "") -> None:
+    """Speedups (torch ms / ours ms) for training and inference, and each model's loss curves."""
     try:
         import matplotlib
 
@@ -183,12 +185,26 @@ def plot(results: list[dict], path: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
     names = [r["model"] for r in results]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "train_speedup", "training step"), (axes[1], "infer_speedup", "inference")):
-        ax.bar(names, [r[key] for r in results])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, key, label in ((axes[0], "train_speedup", "training step"), (axes[1], "infer_speedup", "inference")):
+        bars = ax.bar(names, [r[key] for r in results], color=["tab:green" if r[key] >= 1 else "tab:red"
+                                                              for r in results])
+        ax.bar_label(bars, fmt="%.2fx", fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{title}: torch ms / ours ms (AMP fp16, channels_last)")
+        ax.set_title(f"{label}: torch ms / ours ms")
         ax.tick_params(axis="x", rotation=30)
+    for i, r in enumerate(results):
+        losses = r.get("losses") or {}
+        color = f"C{i}"
+        if "torch" in losses:
+            axes[2].plot(losses["torch"], color=color, lw=1.2, label=f"{r['model']} torch")
+        if "ours" in losses:
+            axes[2].plot(losses["ours"], color=color, lw=1.2, ls="--", label=f"{r['model']} ours")
+    axes[2].set_title("training loss, one initialisation (solid torch, dashed ours)", fontsize=10)
+    axes[2].set_xlabel("step")
+    axes[2].legend(fontsize=6, ncol=2)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -204,7 +220,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--loss-steps", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
+    p.add_argument("--plot-from", type=Path, metavar="JSON", help="only draw --plot from results written by --out "
+                   "(no GPU needed)")
     args = p.parse_args(argv)
+    if args.plot_from:
+        stored = json.loads(args.plot_from.read_text())
+        plot(stored["models"], args.plot or args.plot_from.with_suffix(".png"),
+             title=f"{stored.get('device', '')}, torch {stored.get('torch', '')}: AMP fp16, channels_last")
+        return 0
     import torch
 
     torch.backends.cudnn.benchmark = True
@@ -217,7 +240,7 @@ def main(argv=None) -> int:
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, title=f"{summary['device']}, torch {summary['torch']}: AMP fp16, channels_last")
     return 0
 
 
