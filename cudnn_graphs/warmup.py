@@ -12,6 +12,7 @@ from .recording import read_spec_file
 from .spec import spec_from_dict
 
 OUTCOMES = ("cached", "built", "autotuned", "unsupported", "failed")
+RELEASE_EVERY = 256  # specs a warm-up plans between letting go of the plans it stored
 
 
 @dataclass
@@ -207,8 +208,10 @@ def _plan_all(sources: list[SpecSource], args) -> Summary:
 
     session = warmup_session(args, args.device)
     summary = Summary()
-    for source in _progress(sources, args):
+    for i, source in enumerate(_progress(sources, args)):
         summary.add(*_plan_one(session, source))
+        if i % RELEASE_EVERY == RELEASE_EVERY - 1:
+            session.release_plans()  # stored already; a warm-up of thousands of specs must not hold them all
     flush_remote_writes()  # the remote gets every record before the command returns
     return summary
 

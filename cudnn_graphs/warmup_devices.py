@@ -12,7 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import sys
-from .warmup import SpecSource, Summary, _plan_one, _progress, warmup_session
+from .warmup import RELEASE_EVERY, SpecSource, Summary, _plan_one, _progress, warmup_session
 
 _RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
 
@@ -75,6 +75,7 @@ def _worker(device: int, options: dict, tasks, results) -> None:
     except Exception as err:  # a session that keeps nothing, a bad configuration: say so, leave the specs to others
         results.put(("error", device, f"{type(err).__name__}: {err}"))
         return
+    done = 0
     while True:
         task = tasks.get()
         if task is None:
@@ -82,4 +83,7 @@ def _worker(device: int, options: dict, tasks, results) -> None:
         _, where, data = task
         outcome = _plan_one(session, SpecSource(where, spec_from_dict(data)))
         results.put(("done", device, outcome))
+        done += 1
+        if done % RELEASE_EVERY == 0:
+            session.release_plans()
     flush_remote_writes()

@@ -54,3 +54,22 @@ def test_keeping_the_held_plan_again_adds_nothing():
 def test_one_handle_pool_per_device_for_the_process():
     assert HandlePool.for_device(0) is HandlePool.for_device(0)
     assert HandlePool.for_device(1) is not HandlePool.for_device(0) and HandlePool.for_device(1).device == 1
+
+
+def test_drop_lets_go_of_those_plans_only():
+    a, b, c = _Plan(0, "a"), _Plan(0, "b"), _Plan(0, "b", "autotune")
+    for plan in (a, b, c):
+        resident.keep(plan)  # c displaces b
+    resident.drop([b, c])
+    assert resident.get(0, "a") is a and resident.get(0, "b") is None and resident.count() == 1
+
+
+def test_a_session_releases_its_plans():
+    import cudnn_graphs as cg
+
+    session = cg.Session(cache=False)
+    spec = cg.ConvFwdSpec((1, 4, 8, 8), (4, 4, 3, 3), padding=1)
+    plan = _Plan(session.device, session.signature(spec))
+    session._memory[spec] = resident.keep(plan)
+    session.release_plans()
+    assert spec not in session._memory and resident.get(session.device, plan.signature) is None

@@ -196,3 +196,21 @@ def test_specs_spread_over_worker_processes_and_every_outcome_comes_back(tmp_pat
     assert sum(summary.counts.values()) == 6 and sum(summary.by_device.values()) == 6
     if not cg.environment(0).has_gpu:
         assert summary.counts["failed"] == 6 and all("NoGpuError" in m for _, _, m in summary.problems)
+
+
+def test_a_long_warmup_lets_go_of_the_plans_it_stored(monkeypatch):
+    """Plans are kept for the process (destroying one can wait for the GPU); a warm-up over many specs
+    releases what it stored every RELEASE_EVERY specs instead of holding them all."""
+    from types import SimpleNamespace
+
+    from cudnn_graphs import warmup
+
+    released = []
+    fake = SimpleNamespace(counters=lambda: dict.fromkeys(("autotuned", "builds", "rebuilds_from_heuristics"), 0),
+                           plan=lambda spec: None, release_plans=lambda: released.append(1))
+    monkeypatch.setattr(warmup, "warmup_session", lambda args, device: fake)
+    monkeypatch.setattr(warmup, "RELEASE_EVERY", 3)
+    sources = [warmup.SpecSource("t", cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=p)) for p in range(7)]
+    args = SimpleNamespace(device=0, no_progress=True)
+    summary = warmup._plan_all(sources, args)
+    assert summary.counts["cached"] == 7 and len(released) == 2

@@ -45,6 +45,18 @@ def keep(plan: Any) -> Any:
     return plan
 
 
+def drop(plans) -> None:
+    """Stop holding `plans` (a tool that plans many specs once lets go as it goes; destroying them can
+    wait for the GPU, so never on a hot path). Other plans, and other holders of these, are untouched."""
+    with _lock:
+        for plan in plans:
+            slot = (plan.device, plan.signature)
+            if _plans.get(slot) is plan:
+                del _plans[slot]
+        ids = {id(plan) for plan in plans}
+        _displaced[:] = [plan for plan in _displaced if id(plan) not in ids]
+
+
 def count() -> int:
     """How many plans the process holds (displaced ones included)."""
     return len(_plans) + len(_displaced)

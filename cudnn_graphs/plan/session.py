@@ -193,6 +193,16 @@ class Session:
             while len(self._memory) > self._memory_size:
                 self._memory.popitem(last=False)
 
+    def release_plans(self) -> None:
+        """Let go of every plan this session holds (and the process holds for it). For tools that plan
+        many specs once, such as `cudnn-graphs warmup`: destroying plans can wait for the GPU, so a
+        training loop never calls this."""
+        with self._lock:
+            plans = list(self._memory.values())
+            self._memory.clear()
+            self._calls.clear()
+        resident.drop(plans)
+
     def _count(self, name: str, amount: float = 1) -> None:
         with self._lock:  # loads run on several threads (prefetch): no lost updates
             self._counts[name] += amount

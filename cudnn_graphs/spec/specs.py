@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from gpu_launch.activations import Activation, as_activation, finite_number
+from gpu_launch.activations import as_activation, finite_number
 
 from ..errors import SpecError
 from . import dtypes, geometry
