@@ -119,6 +119,12 @@ def run_cache(args: argparse.Namespace) -> int:
             if args.cache_command in ("export", "push"):
                 return _fail(f"no plan cache at {root}: nothing to {args.cache_command}", 1)
             print(f"no plan cache at {root} (nothing has been cached there yet)")
+            if args.cache_command == "stats" and args.remote:  # the remote has its own story to tell
+                info = _remote_stats(args)
+                if args.json:
+                    _dump(info)
+                else:
+                    print("\n" + _remote_table(info))
             return 0
         store = _open_store(root)
         return _COMMANDS[args.cache_command](store, args)
@@ -329,12 +335,18 @@ def _stats(store: PlanStore, args) -> int:
         counts = sorted(info[field].items(), key=lambda item: (-item[1], item[0]))
         print("\n" + _table([title, "ENTRIES"], [list(item) for item in counts], right=(1,)))
     if args.remote:
-        remote = info["remote"]
-        print("\n" + _table(["REMOTE", remote["url"]], [
-            ["reachable", "yes" if remote["reachable"] else "no"], ["records", remote["records"]],
-            ["server memory", f"{human_bytes(remote.get('server_used_memory'))} used, cap "
-                              f"{human_bytes(remote.get('server_maxmemory') or None) if remote.get('server_maxmemory') else 'none'}"]]))
+        print("\n" + _remote_table(info["remote"]))
     return 0
+
+
+def _remote_table(remote: dict) -> str:
+    cap = remote.get("server_maxmemory")
+    return _table(["REMOTE", remote["url"]], [
+        ["reachable", "yes" if remote["reachable"] else "no"], ["records", remote["records"]],
+        ["server memory", f"{human_bytes(remote.get('server_used_memory'))} used, cap "
+                          f"{human_bytes(cap) if cap else 'none'}"],
+        ["this process", f"{remote['hits']} hits, {remote['misses']} misses, {remote['puts']} puts, "
+                         f"{remote['refused_unsigned'] + remote['refused_signature']} refused"]])
 
 
 def _stats_info(store: PlanStore) -> dict[str, Any]:

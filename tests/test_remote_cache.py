@@ -328,3 +328,11 @@ def test_push_without_a_key_says_what_to_set(server, tmp_path):
     PlanStore(tmp_path / "a").put(_record())
     out = _cli("cache", "push", "--cache", str(tmp_path / "a"), "--remote", server.url, env=env)
     assert out.returncode == 2 and config.REMOTE_KEY in out.stderr
+
+
+def test_remote_stats_without_a_local_cache(server, tmp_path):
+    env = {**os.environ, config.REMOTE_CACHE: server.url, config.REMOTE_KEY: SECRET.decode()}
+    RemoteStore(server.url, secret=SECRET).put(_record())
+    out = _cli("cache", "stats", "--remote", "--cache", str(tmp_path / "absent"), env=env)
+    assert out.returncode == 0 and "no plan cache at" in out.stdout and "REMOTE" in out.stdout, out.stdout
+    assert not (tmp_path / "absent").exists()
