@@ -443,12 +443,7 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
     if PROFILE is not None:
         return _run_profiled(plan, framework, device, ptrs, owner, stream_ptr)
     for step in _program(plan, device):
-        if step.kernel is not None:
-            for value, name, offset in step.patches:
-                value.value = ptrs[name] + offset
-            step.kernel.launch(stream_ptr)
-        else:
-            _other_op(step.op, ptrs, owner, device, stream_ptr)
+        _run_step(step, ptrs, owner, device, stream_ptr)
     # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
 
 
@@ -492,6 +487,15 @@ def _step(op: tuple, device: int) -> _Step:
     kernel = driver.Kernel(_cufunction(fn, device), grid=grid, block=block, args=values, ordinal=device,
                            shared=shared)
     return _Step(kernel, tuple(patches), op)
+
+
+def _run_step(step: _Step, ptrs: dict, owner: Any, device: int, stream_ptr: int) -> None:
+    if step.kernel is None:
+        _other_op(step.op, ptrs, owner, device, stream_ptr)
+        return
+    for value, name, offset in step.patches:
+        value.value = ptrs[name] + offset
+    step.kernel.launch(stream_ptr)
 
 
 def _c_arg(a: Any) -> Any:
@@ -542,12 +546,7 @@ def _run_profiled(plan: _Plan, framework: str, device: int, ptrs: dict, owner: A
         for step in _program(plan, device):
             start = cupy.cuda.Event()
             start.record(stream)
-            if step.kernel is not None:
-                for value, name, offset in step.patches:
-                    value.value = ptrs[name] + offset
-                step.kernel.launch(stream_ptr)
-            else:
-                _other_op(step.op, ptrs, owner, device, stream_ptr)
+            _run_step(step, ptrs, owner, device, stream_ptr)
             end = cupy.cuda.Event()
             end.record(stream)
             op = step.op
