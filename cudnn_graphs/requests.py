@@ -278,7 +278,7 @@ def run_buffers(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *
         call = session._calls.get(key)
     new: list = []
     if call is None:
-        call, new = _prepare(session, kind, objs, params, extra, stream_ptr)
+        call, new = prepare_call(session, kind, objs, params, extra, stream_ptr)
         if len(session._calls) >= _CALLS_SIZE:
             session._calls.clear()
         session._calls[key] = call
@@ -327,10 +327,11 @@ def _realigned(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *,
     return originals.get(id(result), result)
 
 
-def _prepare(session, kind: type, objs: tuple, params: dict[str, Any], extra: tuple,
-             stream_ptr: int) -> tuple[_Call, list]:
+def prepare_call(session, kind: type, objs: tuple, params: dict[str, Any], extra: tuple,
+                 stream_ptr: int) -> tuple[_Call, list]:
     """The slow path of a new geometry: infer and check the spec, plan it, allocate the missing
-    outputs, check every buffer against the plan. Returns the prepared call and this call's outputs."""
+    outputs, check every buffer against the plan. Returns the prepared call and this call's outputs.
+    A caller that memoises the call must key it on everything the checks read (see `read_all`)."""
     request = kind._from_parts(objs, params, extra)
     spec = request.spec()
     descs = spec.tensors()

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 import cudnn_graphs as cg  # noqa: E402
+import cudnn_graphs.torch as cgt  # noqa: E402
 from cudnn_graphs.plan import resident  # noqa: E402
 from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvFwdRequest  # noqa: E402
 
@@ -39,6 +40,13 @@ def _entry_points(session):
                           activation="relu")
     plan = session.plan(spec)
     bound = plan.bind(x=x, w=w, bias=b, y=y)
+    conv = cgt.Conv2d(32, 32, 3, padding=1, activation="relu").cuda().half().to(memory_format=CL)
+    xr = x.detach().clone().requires_grad_(True)
+
+    def module_inference():
+        with torch.no_grad():
+            conv(x)
+
     return {
         "conv_fwd": lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu", session=session),
         "conv_fwd_out": lambda: cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu", session=session),
@@ -52,6 +60,8 @@ def _entry_points(session):
         "module_run": lambda: cg.run(ConvBwdDataRequest(dy, w, x_shape=x.shape, padding=1)),
         "plan_execute": lambda: plan.execute(x=x, w=w, bias=b, y=y),
         "bound_launch": bound.launch,
+        "torch_module_inference": module_inference,
+        "torch_module_fwd_bwd": lambda: torch.autograd.backward(conv(xr), dy),
     }
 
 

@@ -115,6 +115,42 @@ def test_fused_activation_and_residual_forward_and_gradients(act):
         assert ref.rel_err(got, exp) < 1e-4
 
 
+def test_repeated_module_calls_take_fresh_data_offset_views_and_torchs_flags():
+    """The eager memo (a key of the tensors and torch's flags -> the prepared call) on every path: memo
+    hits with new data, a view at an odd offset (realigned copies), a new entry per flag setting."""
+    cl = torch.channels_last
+    conv = cgt.Conv2d(16, 24, 3, padding=1, activation="relu").cuda().half().to(memory_format=cl)
+    theirs = torch.nn.Conv2d(16, 24, 3, padding=1).cuda().double()
+    theirs.load_state_dict(conv.state_dict())
+    tol = TOL[torch.float16]
+
+    def check(x):
+        x = x.detach().requires_grad_(True)
+        y = conv(x)
+        xd = x.detach().double().requires_grad_(True)
+        want = F.relu(theirs(xd))
+        assert ref.rel_err(y, want) < tol, "forward"
+        gy = torch.randn_like(y)
+        got = torch.autograd.grad(y, (x, conv.weight, conv.bias), gy)
+        exp = torch.autograd.grad(want, (xd, theirs.weight, theirs.bias), gy.double())
+        for name, g, e in zip(("input", "weight", "bias"), got, exp):
+            assert ref.rel_err(g, e) < tol, f"{name} gradient"
+
+    for _ in range(4):  # first sight prepares; then memo hits, direct, captured and replayed
+        check(torch.randn(4, 16, 12, 12, device="cuda", dtype=torch.half).contiguous(memory_format=cl))
+    flat = torch.randn(4 * 16 * 12 * 12 + 8, device="cuda", dtype=torch.half)
+    check(flat[1:1 + 4 * 16 * 12 * 12].view(4, 12, 12, 16).permute(0, 3, 1, 2))  # 2 bytes off: realigned copies
+    cfg = _conv._config(2, conv.stride, conv.padding, conv.dilation, conv.groups, conv.activation, 1.0, ())
+    entries = len(cfg.fwd)
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(torch.randn(4, 16, 12, 12, device="cuda", dtype=torch.half).contiguous(memory_format=cl))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(cfg.fwd) == entries + 1, "the deterministic flag must select its own prepared call"
+    assert not _conv._declined
+
+
 def test_only_the_needed_gradients_are_computed():
     conv = cgt.Conv2d(4, 4, 3, padding=1).to("cuda").requires_grad_(False)
     x = torch.randn(2, 4, 8, 8, device="cuda", requires_grad=True)

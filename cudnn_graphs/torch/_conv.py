@@ -29,9 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_launch.activations import Activation, as_activation
+from gpu_launch.streams import capture_probe
 
 from .. import api
+from .. import requests as _requests
 from ..errors import UnsupportedGraphError
+from ..plan import default_session
 from ._activations import torch_activation
 
 __all__ = ["conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d"]
@@ -239,16 +242,225 @@ def _conv_bwd_filter_fake(x, dy, w_shape, stride, padding, dilation, groups, bia
     return dw, dy.new_empty(w_shape[0] if bias_grad else 0)
 
 
+# -- one conv's non-tensor arguments, normalised once -------------------------------------------------
+
+class _Config:
+    """stride, padding (flat pre/post), dilation, groups, activation and beta of one conv, checked and
+    normalised once, with the memos of its eager calls: a cheap key of the tensors and torch's flags ->
+    the prepared call (see `_Memo`). Shared by every call with equal arguments (`_config`)."""
+
+    __slots__ = ("stride", "padding", "dilation", "groups", "act", "act_param", "beta", "flat", "op_act",
+                 "activate", "pre", "fwd", "dgrad", "wgrad")
+
+    def __init__(self, stride: tuple, padding: tuple, dilation: tuple, groups: int, act: Activation, beta: float):
+        self.stride, self.padding, self.dilation, self.groups = stride, padding, dilation, groups
+        self.act, self.act_param, self.beta = act.name, act.param, beta
+        self.flat = (list(stride), list(padding), list(dilation), groups)  # the registered ops' int[] arguments
+        self.op_act = (act.name, 0.0 if act.param is None else act.param, beta)
+        self.activate = torch_activation(act.name, act.param)
+        # Where act'(pre) cannot be read off the output, a gradient needs the conv without its activation.
+        self.pre = None if _derivative_from_output(act) else _canonical(stride, padding, dilation, groups,
+                                                                           Activation("identity"), beta)
+        self.fwd, self.dgrad, self.wgrad = _Memo(), _Memo(), _Memo()
+
+    def fwd_params(self, residual: bool, tf32: bool) -> dict:
+        return _params(self.stride, self.padding, self.dilation, self.groups, self.act, self.op_act[1], self.beta,
+                       residual, tf32)
+
+    def bwd_params(self, tf32: bool) -> dict:
+        return _bwd_params(self.stride, self.padding, self.dilation, self.groups, tf32)
+
+
+_CANONICAL: dict[tuple, _Config] = {}
+
+
+def _canonical(stride: tuple, padding: tuple, dilation: tuple, groups: int, act: Activation, beta: float) -> _Config:
+    key = (stride, padding, dilation, groups, act, beta)
+    cfg = _CANONICAL.get(key)
+    if cfg is None:
+        if len(_CANONICAL) >= 4096:  # a model has tens of distinct convs: a bound, not a working set
+            _CANONICAL.clear()
+        cfg = _CANONICAL[key] = _Config(stride, padding, dilation, groups, act, beta)
+    return cfg
+
+
+def _config(nd: int, stride: Any, padding: Any, dilation: Any, groups: Any, activation: Any, beta: Any,
+            kernel: Sequence[int]) -> _Config:
+    """The config of a call's arguments (torch's spellings: ints, tuples, lists, 'same' / 'valid'),
+    checked with errors naming the argument; repeated arguments cost one cache lookup."""
+    if torch.compiler.is_compiling():  # dynamo traces the normalisation (and warns about lru_cache wrappers)
+        return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+    try:
+        return _config_cached(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+    except TypeError:  # an unhashable spelling (a list): normalised each call, one shared config all the same
+        return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+
+
+def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel) -> _Config:
+    act = as_activation("activation", activation)
+    stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
+    flat = _flat_padding(padding, nd, stride, dilation, kernel)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"groups={groups!r}: expected an int >= 1")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise ValueError(f"beta={beta!r}: expected a number")
+    return _canonical(tuple(stride), tuple(flat), tuple(dilation), groups, act, float(beta))
+
+
+# typed: 2 and 2.0 hash alike, but only the int passed the checks
+_config_cached = functools.lru_cache(maxsize=1024, typed=True)(_make_config)
+
+
+def _flat_config(stride, padding, dilation, groups, activation: str, act_param: float, beta: float) -> _Config:
+    """The config of the registered ops' flat arguments."""
+    act = Activation(activation, None if Activation(activation).param is None else act_param)
+    return _canonical(tuple(stride), tuple(padding), tuple(dilation), groups, act, float(beta))
+
+
+# -- eager calls on CUDA: a memo from a cheap key straight to the prepared call -------------------------
+
+_SLOW = "slow"  # a memo entry: the general path (packing copies, realigned views, typed errors)
+_TORCH = "torch"  # a memo entry: cuDNN declined this graph; torch's convolution serves
+_ALIGN = 15  # cuDNN graphs declare 16-byte aligned tensors
+
+
+class _Memo(dict):
+    """key -> a prepared call (`requests._Call`), _SLOW or _TORCH. The key holds each tensor's shape,
+    strides, dtype and device, the extra shapes, and torch's TF32 and determinism flags: everything the
+    first call's checks read, so an equal key passes them alike (pointers' alignment is checked per call)."""
+
+    __slots__ = ()
+
+    def remember(self, key: tuple, entry: Any) -> Any:
+        if len(self) >= 64:  # a layer sees a few geometries; a loop of ever-new sizes must not grow it
+            self.clear()
+        self[key] = entry
+        return entry
+
+
+def _flags() -> tuple[bool, bool]:
+    # torch's own getters: the torch.backends attributes cost ~1 us each, on every call
+    return (torch._C._get_cudnn_allow_tf32(),
+            torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic())
+
+
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
+              what: str) -> Any:
+    """The memo entry for a new key: the library's call (planned, buffers checked) where every tensor is
+    a packed CUDA tensor of a supported dtype, else the general path, or torch's conv where cuDNN declines."""
+    if not (packed and _ours(*(t for t in objs if t is not None))):
+        return memo.remember(key, _SLOW)
+    device = objs[0].get_device()
+    session = _session(device)
+    if session is None:
+        session = default_session(device)
+    try:
+        call, _ = _requests.prepare_call(session, kind, objs, params, extra, torch._C._cuda_getCurrentRawStream(device))
+    except UnsupportedGraphError as err:
+        _declined_once(what, err)
+        return memo.remember(key, _TORCH)
+    return memo.remember(key, call)
+
+
+def _launch(call, ptrs: tuple, device: int) -> list:
+    """Allocate the call's outputs through torch and launch on torch's current stream of `device`: no
+    checks (the memo key proved them), no synchronisation."""
+    new = [allocate() for allocate in call.allocators]
+    call.launcher.launch(ptrs + tuple([t.data_ptr() for t in new]), torch._C._cuda_getCurrentRawStream(device),
+                         capture_probe("torch", None))
+    return new
+
+
+def _fwd_eager(cfg: _Config, x, w, bias, z):
+    if not x.is_cuda:
+        return _conv_fwd_torch(x, w, bias, z, *cfg.flat, *cfg.op_act)
+    ptrs = tuple([t.data_ptr() for t in (x, w, bias, z) if t is not None])
+    if _misaligned(ptrs):  # a view at an offset: the general path runs it on aligned copies
+        return _conv_fwd_cuda(x, w, bias, z, *cfg.flat, *cfg.op_act)
+    key = (_geometry(x), _geometry(w), _geometry(bias), _geometry(z), _flags())
+    call = cfg.fwd.get(key)
+    if call is None:
+        fmt = _memory_format(x)
+        packed = all(t is None or t.is_contiguous(memory_format=f)
+                     for t, f in ((x, fmt), (z, fmt), (w, _memory_format(w))))
+        call = _prepared(cfg.fwd, key, _requests.ConvFwdRequest, (x, w, bias, z, None),
+                         cfg.fwd_params(z is not None, key[-1][0]), (), packed,
+                         f"conv_fwd {tuple(x.shape)} x {tuple(w.shape)}")
+    if call is _SLOW:
+        return _conv_fwd_cuda(x, w, bias, z, *cfg.flat, *cfg.op_act)
+    if call is _TORCH:
+        return _conv_fwd_torch(x, w, bias, z, *cfg.flat, *cfg.op_act)
+    return _launch(call, ptrs, x.get_device())[0]
+
+
+def _dgrad_eager(cfg: _Config, dy, w, x_shape):
+    if not dy.is_cuda:
+        return _conv_bwd_data_torch(dy, w, x_shape, *cfg.flat)
+    ptrs = (dy.data_ptr(), w.data_ptr())
+    if _misaligned(ptrs):
+        return _conv_bwd_data_cuda(dy, w, x_shape, *cfg.flat)
+    key = (_geometry(dy), _geometry(w), x_shape, _flags())
+    call = cfg.dgrad.get(key)
+    if call is None:
+        packed = dy.is_contiguous(memory_format=_memory_format(dy)) and w.is_contiguous(memory_format=_memory_format(w))
+        call = _prepared(cfg.dgrad, key, _requests.ConvBwdDataRequest, (dy, w, None, None), cfg.bwd_params(key[-1][0]),
+                         (tuple(x_shape),), packed, f"conv_bwd_data {tuple(dy.shape)} x {tuple(w.shape)}")
+    if call is _SLOW:
+        return _conv_bwd_data_cuda(dy, w, x_shape, *cfg.flat)
+    if call is _TORCH:
+        return _conv_bwd_data_torch(dy, w, x_shape, *cfg.flat)
+    return _launch(call, ptrs, dy.get_device())[0]
+
+
+def _wgrad_eager(cfg: _Config, x, dy, w_shape, bias_grad: bool):
+    """(dw, db): db is None without bias_grad."""
+    if not x.is_cuda:
+        return _wgrad_general(_conv_bwd_filter_torch, cfg, x, dy, w_shape, bias_grad)
+    ptrs = (x.data_ptr(), dy.data_ptr())
+    if _misaligned(ptrs):
+        return _wgrad_general(_conv_bwd_filter_cuda, cfg, x, dy, w_shape, bias_grad)
+    key = (_geometry(x), _geometry(dy), w_shape, bias_grad, _flags())
+    call = cfg.wgrad.get(key)
+    if call is None:
+        fmt = _memory_format(x)
+        packed = x.is_contiguous(memory_format=fmt) and dy.is_contiguous(memory_format=fmt)
+        call = _prepared(cfg.wgrad, key, _requests.ConvBwdFilterRequest, (x, dy, None, None), cfg.bwd_params(key[-1][0]),
+                         (tuple(w_shape), bias_grad), packed, f"conv_bwd_filter {tuple(x.shape)} -> {tuple(w_shape)}")
+    if call is _SLOW or call is _TORCH:
+        run = _conv_bwd_filter_torch if call is _TORCH else _conv_bwd_filter_cuda
+        return _wgrad_general(run, cfg, x, dy, w_shape, bias_grad)
+    new = _launch(call, ptrs, x.get_device())
+    return (new[0], new[1]) if bias_grad else (new[0], None)
+
+
+def _wgrad_general(run, cfg: _Config, x, dy, w_shape, bias_grad: bool):
+    dw, db = run(x, dy, w_shape, *cfg.flat, bias_grad)
+    return dw, db if bias_grad else None
+
+
+def _misaligned(ptrs: tuple) -> bool:
+    for p in ptrs:
+        if p & _ALIGN:
+            return True
+    return False
+
+
 # -- autograd ------------------------------------------------------------------------------------------
+
+def _save(ctx, cfg: _Config, x, w, bias, output) -> None:
+    need_x, need_w, need_b, need_z = ctx.needs_input_grad[:4]
+    ctx.cfg, ctx.x_shape, ctx.w_shape, ctx.has_bias = cfg, x.shape, w.shape, bias is not None
+    ctx.save_for_backward(x if need_w else None, w if need_x else None,
+                          output if cfg.act != "identity" and (need_x or need_w or need_b or need_z) else None)
+
 
 def _setup_fwd(ctx, inputs, output):
     x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta = inputs
-    need_x, need_w, need_b, need_z = ctx.needs_input_grad[:4]
-    ctx.conv = (list(stride), list(padding), list(dilation), groups)
-    ctx.act, ctx.beta = (activation, act_param), beta
-    ctx.x_shape, ctx.w_shape, ctx.has_bias = list(x.shape), list(w.shape), bias is not None
-    ctx.save_for_backward(x if need_w else None, w if need_x else None,
-                          output if activation != "identity" and any((need_x, need_w, need_b, need_z)) else None)
+    _save(ctx, _flat_config(stride, padding, dilation, groups, activation, act_param, beta), x, w, bias, output)
 
 
 def _act_grad(dy: torch.Tensor, y: torch.Tensor | None, name: str, param: float) -> torch.Tensor:
@@ -268,26 +480,37 @@ def _act_grad(dy: torch.Tensor, y: torch.Tensor | None, name: str, param: float)
     raise AssertionError(f"{name}: its derivative needs the pre-activation")
 
 
-def _backward_with(ctx, dy, bwd_data, bwd_filter):
+def _backward(ctx, dy, dgrad, wgrad) -> tuple:
+    """(dx, dw, db, dz), only those needed; `dgrad(cfg, dy, w, x_shape)` and
+    `wgrad(cfg, x, dy, w_shape, bias_grad) -> (dw, db or None)` run the convs."""
     x, w, y = ctx.saved_tensors
-    stride, padding, dilation, groups = ctx.conv
+    cfg = ctx.cfg
     need_x, need_w, need_b, need_z = ctx.needs_input_grad[:4]
-    g = _act_grad(dy, y, *ctx.act)
+    g = _act_grad(dy, y, cfg.act, cfg.act_param)
     dx = dw = db = dz = None
+    bias_grad = need_b and ctx.has_bias
     if need_x:
-        dx = bwd_data(g, w, ctx.x_shape, stride, padding, dilation, groups)
+        dx = dgrad(cfg, g, w, ctx.x_shape)
     if need_w:
-        dw, db = bwd_filter(x, g, ctx.w_shape, stride, padding, dilation, groups, bool(need_b and ctx.has_bias))
-        db = db if need_b and ctx.has_bias else None
-    if need_b and ctx.has_bias and db is None:
+        dw, db = wgrad(cfg, x, g, ctx.w_shape, bias_grad)
+    if bias_grad and db is None:
         db = g.sum([0, *range(2, g.dim())])
     if need_z:
-        dz = g * ctx.beta if ctx.beta != 1.0 else g
-    return dx, dw, db, dz, None, None, None, None, None, None, None
+        dz = g * cfg.beta if cfg.beta != 1.0 else g
+    return dx, dw, db, dz
+
+
+def _dgrad_op(cfg: _Config, dy, w, x_shape):
+    return torch.ops.cudnn_graphs.conv_bwd_data(dy, w, list(x_shape), *cfg.flat)
+
+
+def _wgrad_op(cfg: _Config, x, dy, w_shape, bias_grad: bool):
+    dw, db = torch.ops.cudnn_graphs.conv_bwd_filter(x, dy, list(w_shape), *cfg.flat, bias_grad)
+    return dw, db if bias_grad else None
 
 
 def _backward_fwd(ctx, dy):  # traced by torch.compile: the registered ops, never our Python on fakes
-    return _backward_with(ctx, dy, torch.ops.cudnn_graphs.conv_bwd_data, torch.ops.cudnn_graphs.conv_bwd_filter)
+    return *_backward(ctx, dy, _dgrad_op, _wgrad_op), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cudnn_graphs::conv_fwd", _backward_fwd, setup_context=_setup_fwd)
@@ -339,55 +562,62 @@ torch.library.register_autograd("cudnn_graphs::conv_bwd_filter", _backward_bwd_f
                                 setup_context=_setup_bwd_filter)
 
 
-# -- eager calls: straight to the kernels --------------------------------------------------------------
+# -- eager autograd: a plain autograd.Function on the memoised calls -----------------------------------
 # torch.library's Python autograd wrapper costs ~170 us a call and the dispatcher ~30 (H100 host,
-# tools/probe_op_overhead.py), against ~25 us for the conv itself: eager calls skip both, through a
-# plain autograd.Function; torch.compile traces the registered ops instead.
-
-def _fwd_direct(x, *args):
-    return (_conv_fwd_cuda if x.is_cuda else _conv_fwd_torch)(x, *args)
-
-
-def _bwd_data_direct(dy, *args):
-    return (_conv_bwd_data_cuda if dy.is_cuda else _conv_bwd_data_torch)(dy, *args)
-
-
-def _bwd_filter_direct(x, *args):
-    return (_conv_bwd_filter_cuda if x.is_cuda else _conv_bwd_filter_torch)(x, *args)
-
+# tools/probe_op_overhead.py), against ~25 us for the conv itself: eager calls skip both; torch.compile
+# traces the registered ops instead.
 
 class _ConvFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
-        y = _fwd_direct(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta)
-        _setup_fwd(ctx, (x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta), y)
+    def forward(ctx, x, w, bias, z, cfg):
+        y = _fwd_eager(cfg, x, w, bias, z)
+        _save(ctx, cfg, x, w, bias, y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled():  # create_graph: gradients of gradients go through the registered ops
-            return _backward_fwd(ctx, dy)
-        return _backward_with(ctx, dy, _bwd_data_direct, _bwd_filter_direct)
+            return *_backward(ctx, dy, _dgrad_op, _wgrad_op), None
+        return *_backward(ctx, dy, _dgrad_eager, _wgrad_eager), None
+
+
+# Function.apply's Python layer (functorch checks, then unwrapping dead functorch wrappers) costs as much
+# as the C++ apply under it with no transform active: call the C++ apply then, unwrapping as it would.
+_apply_c = super(torch.autograd.Function, _ConvFunction).apply
+_unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
+
+
+def _function(x, w, bias, z, cfg: _Config):
+    if _unwrap_if_dead is None or torch._C._are_functorch_transforms_active():
+        return _ConvFunction.apply(x, w, bias, z, cfg)
+    return _apply_c(_unwrap_if_dead(x), _unwrap_if_dead(w), None if bias is None else _unwrap_if_dead(bias),
+                    None if z is None else _unwrap_if_dead(z), cfg)
 
 
 # -- the functional API --------------------------------------------------------------------------------
 
 def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta):
-    act = as_activation("activation", activation)
-    stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
-    flat = _flat_padding(padding, nd, stride, dilation, weight.shape[2:])
-    if torch.is_autocast_enabled("cuda") and input.is_cuda:  # as torch's conv: run in the autocast dtype
-        input, weight, bias, residual = (_autocast(t) for t in (input, weight, bias, residual))
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias, residual))
-    if torch.compiler.is_compiling():
-        op = torch.ops.cudnn_graphs.conv_fwd
+    kernel = weight.shape[2:] if isinstance(padding, str) else ()  # only 'same' reads the kernel's size
+    return _run(_config(nd, stride, padding, dilation, groups, activation, beta, kernel), input, weight, bias,
+                residual)
+
+
+def _run(cfg: _Config, x, w, bias, z):
+    """act(conv(x, w) + bias + beta * z) through the registered op (compiling), our autograd Function
+    (a gradient is needed) or straight to the kernels."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as torch's conv: run in the autocast dtype
+        x, w, bias, z = (_autocast(t) for t in (x, w, bias, z))
+    grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+                                         or (z is not None and z.requires_grad))
+    compiling = torch.compiler.is_compiling()
+    if not (grads or compiling):
+        return _fwd_eager(cfg, x, w, bias, z)
+    conv = cfg.pre if grads and cfg.pre is not None else cfg  # the backward needs the pre-activation: keep it
+    if compiling:
+        y = torch.ops.cudnn_graphs.conv_fwd(x, w, bias, z, *conv.flat, *conv.op_act)
     else:
-        op = _ConvFunction.apply if grads else _fwd_direct
-    if grads and not _derivative_from_output(act):  # the backward needs the pre-activation: keep it
-        pre = op(input, weight, bias, residual, stride, flat, dilation, groups, "identity", 0.0, beta)
-        return torch_activation(act.name, act.param)(pre)
-    return op(input, weight, bias, residual, stride, flat, dilation, groups, act.name,
-              0.0 if act.param is None else act.param, beta)
+        y = _function(x, w, bias, z, conv)
+    return y if conv is cfg else cfg.activate(y)
 
 
 def _derivative_from_output(act: Activation) -> bool:
