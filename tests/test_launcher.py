@@ -1,5 +1,6 @@
-"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, a capture
-budget per launcher), with stand-ins for the plan's parts and for CUDA graphs."""
+"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, captures
+that must be paid for by replays, a graph budget per launcher), with stand-ins for the plan's parts and
+for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -88,35 +89,47 @@ def test_streams_and_pointer_sets_have_their_own_graphs(launcher):
     for _ in range(2):
         launcher.launch((16, 32), 7, _never)
         launcher.launch((16, 32), 9, _never)
-        launcher.launch((48, 64), 7, _never)
-    assert launcher.captures == 3
+    assert launcher.captures == launcher_mod.FREE_CAPTURES == 2
+    assert [entry[0] for entry in launcher.plan.log[-2:]] == ["replay", "replay"]
 
 
-def test_capture_stops_for_good_once_the_budget_is_spent(launcher):
-    ptr = 0
-    while launcher.capture_enabled:  # each pointer set seen twice (captured) and never again
-        ptr += 16
+def test_captures_past_the_free_ones_wait_until_replays_paid_for_them(launcher):
+    for ptr in (16, 32, 48):  # a rotation seen twice each and never again (activations in a training loop)
+        for _ in range(2):
+            launcher.launch((ptr, ptr), 7, _never)
+    assert launcher.captures == launcher_mod.FREE_CAPTURES, "the third set must wait for replays"
+    for _ in range(launcher_mod.PAYBACK * launcher_mod.FREE_CAPTURES - 1):
+        launcher.launch((16, 16), 7, _never)  # the first graph earns replays
+    launcher.launch((48, 48), 7, _never)
+    assert launcher.captures == launcher_mod.FREE_CAPTURES and launcher.plan.log[-1][0] == "direct"
+    launcher.launch((16, 16), 7, _never)  # the last replay it needed
+    launcher.launch((48, 48), 7, _never)
+    assert launcher.captures == launcher_mod.FREE_CAPTURES + 1 and launcher.plan.log[-1][0] == "replay"
+
+
+def test_pointer_sets_seen_once_never_cost_a_capture(launcher):
+    for ptr in range(16, 16 * 200, 16):
         launcher.launch((ptr, ptr), 7, _never)
-        launcher.launch((ptr, ptr), 7, _never)
-        assert ptr < 16 * 100
-    assert launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
-    for _ in range(100):  # a new pointer set, seen often: it runs directly, never recorded
-        launcher.launch((1 << 20, 1 << 20), 7, _never)
-    assert launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
-    assert launcher.plan.log[-1] == ("direct", 7, (1 << 20, 1 << 20))
+    assert launcher.captures == 0 and launcher.capture_enabled
 
 
-def test_graphs_held_when_the_budget_ran_out_still_replay(launcher):
-    for round_ in range(40):  # 9 pointer sets in rotation through 8 graph slots
-        ptrs = (16 * (round_ % 9 + 1), 0)
-        for _ in range(3):
-            launcher.launch(ptrs, 7, _never)
-    assert not launcher.capture_enabled and launcher.captures == launcher_mod.CAPTURES_PER_LAUNCHER
+def _earn(launcher, ptrs, n):
+    for _ in range(n):
+        launcher.launch(ptrs, 7, _never)
+
+
+def test_capture_stops_for_good_once_the_budget_is_spent_and_every_graph_stays(launcher):
+    budget = launcher_mod.GRAPHS_PER_LAUNCHER
+    sets = [(16 * (i + 1), 0) for i in range(budget + 1)]
+    for ptrs in sets[:budget]:  # each set recorded, then replayed enough to pay for the next capture
+        _earn(launcher, ptrs, 2 + launcher_mod.PAYBACK)
+    assert launcher.captures == budget and not launcher.capture_enabled
+    _earn(launcher, sets[budget], 100)  # a new set, seen often: it runs directly, never recorded
+    assert launcher.captures == budget and launcher.plan.log[-1] == ("direct", 7, sets[budget])
     launcher.plan.log.clear()
-    for round_ in range(9):
-        launcher.launch((16 * (round_ + 1), 0), 7, _never)
-    kinds = [entry[0] for entry in launcher.plan.log]
-    assert kinds.count("replay") == launcher_mod.GRAPHS_PER_LAUNCHER and kinds.count("direct") == 1
+    for ptrs in sets[:budget]:  # nothing was evicted: every recorded set still replays
+        launcher.launch(ptrs, 7, _never)
+    assert [entry[0] for entry in launcher.plan.log] == ["replay"] * budget
 
 
 def test_an_engine_that_cannot_be_captured_stays_direct(launcher, monkeypatch):

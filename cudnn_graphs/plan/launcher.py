@@ -7,18 +7,21 @@ recorded once into a CUDA graph and replayed from then on (one graph launch inst
 execute per part), except while the stream is being captured by someone else: their graph then
 records the parts themselves.
 
-Recording is a warm-up activity: each launcher records at most CAPTURES_PER_LAUNCHER graphs in the
-life of the process. Instantiating a graph can wait for the GPU (seen in a ResNet-50 training loop on
-an H100, driver 580: `cuGraphInstantiate` held the host ~1 s, the GPU drained), and a loop whose
-pointers keep changing gains nothing from graphs (its steps took the same time with capture off).
-Once the budget is spent, pointer sets without a graph run directly, which never synchronises.
+Recording must pay for itself. A capture costs 0.3-1 ms of host time (a ResNet-50 training step on
+an H100 spent ~10 ms a step on them) and a replay saves ~10 us against a direct run, while a training
+loop's activations come back only now and then (torch's caching allocator: about half of a step's
+pointer sets recur a step or two later). So a launcher records its first FREE_CAPTURES graphs at a
+pointer set's second sight (a loop over stable buffers replays from its second call), and another
+only once its graphs have been replayed PAYBACK times each; it keeps at most GRAPHS_PER_LAUNCHER
+graphs and never evicts one (evicting is what made a rotation of pointer sets re-record forever).
+Instantiating a graph can also wait for the GPU (seen once, ~1 s, with 64 graphs per launcher), which
+that cap bounds. Pointer sets without a graph run directly, which never synchronises.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from typing import Callable, Sequence
 
 from gpu_launch import driver
@@ -27,8 +30,10 @@ from ..errors import CudaDriverError, GraphCaptureError
 
 log = logging.getLogger("cudnn_graphs")
 
-GRAPHS_PER_LAUNCHER = 8  # pointer sets kept as graphs; a loop with stable buffers cycles through one or two
-CAPTURES_PER_LAUNCHER = 2 * GRAPHS_PER_LAUNCHER  # graphs recorded in a launcher's life (see above)
+GRAPHS_PER_LAUNCHER = 16  # graphs recorded in a launcher's life, all kept (see above)
+CAPTURES_PER_LAUNCHER = GRAPHS_PER_LAUNCHER  # the name tools use for the same budget
+FREE_CAPTURES = 2  # graphs recorded at a pointer set's second sight, before any replay has paid
+PAYBACK = 16  # replays per recorded graph that earn the launcher its next capture
 _SEEN_LIMIT = 64
 
 
@@ -59,9 +64,10 @@ class Launcher:
         self.workspace_ptr = workspace_ptr  # the caller's workspace (Plan.bind(workspace=)), else the plan's
         self._slots = {role: i for i, role in enumerate(roles)}
         self._prepared: dict[tuple[int, int], _Prepared] = {}
-        self._graphs: OrderedDict[tuple, driver.GraphExec] = OrderedDict()
+        self._graphs: dict[tuple, driver.GraphExec] = {}
         self._seen: dict[tuple, int] = {}
-        self.captures = 0  # graphs recorded so far, at most CAPTURES_PER_LAUNCHER
+        self.captures = 0  # graphs recorded so far, at most GRAPHS_PER_LAUNCHER
+        self.replays = 0
         self.capture_enabled = True
         self._lock = threading.Lock()
 
@@ -83,9 +89,11 @@ class Launcher:
         key = (threading.get_ident(), stream, ptrs)
         graph = self._graphs.get(key)
         if graph is not None and not capturing(stream):
+            self.replays += 1
             graph.launch(stream)
             return
-        if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream):
+        if graph is None and self.capture_enabled and self._seen.get(key) and self._paid_for() \
+                and not capturing(stream):
             graph = self._graph_for(key, ptrs, stream)
             if graph is not None:
                 graph.launch(stream)
@@ -95,6 +103,9 @@ class Launcher:
             if len(self._seen) >= _SEEN_LIMIT:
                 self._seen.clear()
             self._seen[key] = 1
+
+    def _paid_for(self) -> bool:
+        return self.captures < FREE_CAPTURES or self.replays >= PAYBACK * self.captures
 
     def _graph_for(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> driver.GraphExec | None:
         try:
@@ -107,9 +118,7 @@ class Launcher:
         self.captures += 1
         with self._lock:
             self._graphs[key] = graph
-            while len(self._graphs) > GRAPHS_PER_LAUNCHER:
-                self._graphs.popitem(last=False)
-        if self.captures >= CAPTURES_PER_LAUNCHER:
+        if self.captures >= GRAPHS_PER_LAUNCHER:
             log.info("%s: %d graphs recorded; new pointer sets run directly from now on", self.plan.spec.op,
                      self.captures)
             self.capture_enabled = False
