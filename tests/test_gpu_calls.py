@@ -119,6 +119,32 @@ def test_letting_go_of_sessions_and_plans_never_waits_for_the_gpu(tmp_path, monk
     assert (stats["memory_hits"], stats["disk_hits"], stats["builds"]) == (1, 0, 0), stats
 
 
+def test_a_loaded_plan_runs_rotating_buffers_on_kept_variant_packs(tmp_path):
+    """A plan loaded through the backend API keeps a finalized variant pack per pointer set (64 at
+    most): 70 output buffers in rotation, twice around, then new data in a recurring set, all right."""
+    xs, w = [_rand(4, 16, 10, 10) for _ in range(3)], _rand(24, 16, 3, 3) * 0.1
+    spec = cg.ConvFwdSpec(xs[0].shape, w.shape, padding=1, dtype="float16", layout="channels_last")
+    cg.Session(cache=tmp_path).plan(spec)
+    resident.forget()  # the next session loads from disk, as a fresh process would
+    plan = cg.Session(cache=tmp_path).plan(spec)
+    assert plan.parts[0].backend is not None, "expected the backend-API load path"
+    ys = [torch.empty(4, 24, 10, 10, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+          for _ in range(70)]
+    tol = ref.TOLERANCE["float16"]
+
+    def run_and_check(i):
+        ys[i].fill_(float("nan"))
+        plan.bind(x=xs[i % 3], w=w, y=ys[i], cuda_graph=False).launch()
+        want = F.conv2d(xs[i % 3].double(), w.double(), padding=1)
+        assert ref.rel_err(ys[i], want) < tol, f"buffer {i}"
+
+    for _ in range(2):
+        for i in range(len(ys)):
+            run_and_check(i)
+    xs[0].copy_(_rand(4, 16, 10, 10))  # same pointers, new values: a kept pack reads the new data
+    run_and_check(3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_repeated_functional_calls_compute_fresh_data(session, dtype):
     """Direct on first sight, captured on the second, replayed after: each with new inputs and outputs."""

@@ -85,16 +85,23 @@ def test_a_capturing_stream_gets_direct_runs(launcher):
     assert launcher.plan.log == [("direct", 7, (16, 32))]
 
 
+def _earn(launcher, ptrs, n):
+    for _ in range(n):
+        launcher.launch(ptrs, 7, _never)
+
+
 def test_streams_and_pointer_sets_have_their_own_graphs(launcher):
+    _earn(launcher, (16, 32), 2 + launcher_mod.PAYBACK)
+    launcher.plan.log.clear()
     for _ in range(2):
-        launcher.launch((16, 32), 7, _never)
         launcher.launch((16, 32), 9, _never)
-    assert launcher.captures == launcher_mod.FREE_CAPTURES == 2
-    assert [entry[0] for entry in launcher.plan.log[-2:]] == ["replay", "replay"]
+        launcher.launch((48, 64), 7, _never)
+    assert launcher.captures == 2, "the paid-for capture goes to the first pointer set seen twice"
+    assert [entry[0] for entry in launcher.plan.log] == ["direct", "direct", "replay", "direct"]
 
 
 def test_captures_past_the_free_ones_wait_until_replays_paid_for_them(launcher):
-    for ptr in (16, 32, 48):  # a rotation seen twice each and never again (activations in a training loop)
+    for ptr in (16, 48):  # a rotation seen twice each and never again (activations in a training loop)
         for _ in range(2):
             launcher.launch((ptr, ptr), 7, _never)
     assert launcher.captures == launcher_mod.FREE_CAPTURES, "the third set must wait for replays"
@@ -111,11 +118,6 @@ def test_pointer_sets_seen_once_never_cost_a_capture(launcher):
     for ptr in range(16, 16 * 200, 16):
         launcher.launch((ptr, ptr), 7, _never)
     assert launcher.captures == 0 and launcher.capture_enabled
-
-
-def _earn(launcher, ptrs, n):
-    for _ in range(n):
-        launcher.launch(ptrs, 7, _never)
 
 
 def test_capture_stops_for_good_once_the_budget_is_spent_and_every_graph_stays(launcher):

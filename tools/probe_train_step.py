@@ -59,6 +59,16 @@ def part_layer() -> dict:
         def backward(ctx, g):
             return (g,) + (None,) * 10
 
+    conv32 = cgt.Conv2d(128, 128, 3, padding=1, bias=False).cuda().to(memory_format=cl)
+    tconv32 = torch.nn.Conv2d(128, 128, 3, padding=1, bias=False).cuda().to(memory_format=cl)
+
+    def amp_fwd_bwd(module):
+        def run():
+            with torch.autocast("cuda", dtype=torch.float16):
+                y = module(xr)
+            torch.autograd.backward(y, dy)
+        return run
+
     y_mod = conv(xr)
     y_t = tconv(xr)
     cases = {
@@ -82,6 +92,8 @@ def part_layer() -> dict:
         "torch convolution_backward dw": lambda: torch.ops.aten.convolution_backward(
             dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, False]),
         "module fwd+bwd (ours)": lambda: torch.autograd.backward(conv(xr), dy),
+        "autocast module fwd+bwd (ours)": amp_fwd_bwd(conv32),
+        "autocast module fwd+bwd (torch)": amp_fwd_bwd(tconv32),
         "module fwd+bwd (torch)": lambda: torch.autograd.backward(tconv(xr), dy),
         "piece: torch.empty_strided": lambda: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device),
         "piece: read x (shape, stride, dtype, get_device, data_ptr)": lambda: (
@@ -156,7 +168,10 @@ def part_model(model_name: str, batch: int) -> dict:
             w_ = time.perf_counter() - t
             host.setdefault(name, []).append((h * 1e3, w_ * 1e3))
     result = {"host_ms": {n: round(statistics.median(h for h, _ in v), 2) for n, v in host.items()},
-              "wall_ms": {n: round(statistics.median(w for _, w in v), 2) for n, v in host.items()}}
+              "wall_ms": {n: round(statistics.median(w for _, w in v), 2) for n, v in host.items()},
+              "host_ms_forward_backward_step": {n: _split_ms(m, x, target) for n, m in (("torch", theirs),
+                                                                                          ("ours", ours))}}
+    print(json.dumps(result, indent=1), flush=True)
     counts = _Counts()
     counts.count(requests, "prepare_call", "memo misses (prepare_call)")
     counts.count(launcher._Prepared, "__call__", "direct runs")
@@ -197,6 +212,28 @@ def part_model(model_name: str, batch: int) -> dict:
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(30)
         print(f"== one step of ours by {key}\n" + text.getvalue()[-7000:], flush=True)
     return result
+
+
+def _split_ms(model, x, target, rounds: int = 5) -> list[float]:
+    """Host ms of the forward (with the loss), the backward and the optimizer step, each from a synced GPU."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), target)
+        t1 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        samples.append(((t1 - t0) * 1e3, (t3 - t2) * 1e3))
+    return [round(statistics.median(s[i] for s in samples), 2) for i in range(2)]
 
 
 def _host_ms(steps: dict, rounds: int = 5) -> dict:

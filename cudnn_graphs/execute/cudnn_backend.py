@@ -167,14 +167,17 @@ class ExecutionPlan:
 
 
 class _Runner:
-    """A new variant pack per call, as the frontend's own execute builds one: cuDNN 9.19 refuses to
-    re-point a finalized pack (CUDNN_STATUS_BAD_PARAM) and copies its pointers at finalize, so a kept
-    pack would run on stale buffers (tools/probe_variant_pack.py). The uid and pointer arrays are
-    built once and patched in place. Every argument of the seven backend calls is a ctypes object made
-    here and the entry points carry no argtypes, so ctypes converts nothing per call. One thread runs
-    a runner (its pack slot is reused)."""
+    """A variant pack per pointer set: cuDNN 9.19 refuses to re-point a finalized pack
+    (CUDNN_STATUS_BAD_PARAM) and copies its pointers at finalize (tools/probe_variant_pack.py), so a
+    pack serves exactly the pointers it was made with. A training loop's buffers recur (torch's caching
+    allocator hands the same blocks back a step or two later), so finalized packs are kept by pointer
+    set (at most PACKS per runner, oldest destroyed first: a pack is host memory only) and a recurring
+    set costs one cudnnBackendExecute instead of five backend calls. The uid and pointer arrays are
+    built once and patched in place. Every argument is a ctypes object made once and the entry points
+    carry no argtypes, so ctypes converts nothing per call. One thread runs a runner."""
 
-    __slots__ = ("plan", "uids", "ptrs", "moves", "ws", "calls", "_pack", "_args")
+    __slots__ = ("plan", "uids", "ptrs", "moves", "ws", "calls", "_packs", "_fill", "_handle", "_desc")
+    PACKS = 64
 
     def __init__(self, plan: ExecutionPlan, uids, template, patch, workspace_ptr: int, handle: int):
         n = len(uids)
@@ -184,32 +187,48 @@ class _Runner:
         self.ws = _ptr(workspace_ptr or None)
         self.moves = tuple(patch)
         self.calls = _hot_calls()
-        self._pack = pack = _ptr()
+        self._packs: dict[tuple, Any] = {}
         c_int, count = ctypes.c_int, _i64(n)
-        self._args = (
-            (c_int(_VARIANT_PACK), ctypes.byref(pack)),
-            (pack, c_int(_PACK_UIDS), c_int(_TYPE_INT64), count, self.uids),
-            (pack, c_int(_PACK_POINTERS), c_int(_TYPE_VOID_PTR), count, self.ptrs),
-            (pack, c_int(_PACK_WORKSPACE), c_int(_TYPE_VOID_PTR), _i64(1), ctypes.byref(self.ws)),
-            (_ptr(handle), _ptr(plan.desc), pack),
-        )
+        self._fill = ((c_int(_PACK_UIDS), c_int(_TYPE_INT64), count, self.uids),
+                      (c_int(_PACK_POINTERS), c_int(_TYPE_VOID_PTR), count, self.ptrs),
+                      (c_int(_PACK_WORKSPACE), c_int(_TYPE_VOID_PTR), _i64(1), ctypes.byref(self.ws)))
+        self._handle, self._desc = _ptr(handle), _ptr(plan.desc)
 
     def __call__(self, values: Sequence[int]) -> None:
+        key = values if type(values) is tuple else tuple(values)
+        pack = self._packs.get(key)
+        if pack is None:
+            pack = self._pack_for(key)
+        _check(self.calls[3](self._handle, self._desc, pack), "cudnnBackendExecute")
+
+    def _pack_for(self, values: tuple) -> Any:
         ptrs = self.ptrs
         for i, slot in self.moves:
             ptrs[i] = values[slot]
-        create, set_attr, finalize, execute, destroy = self.calls
-        make, uids, pointers, workspace, run = self._args
-        pack = self._pack
-        _check(create(*make), "cudnnBackendCreateDescriptor(VARIANT_PACK)")
+        create, set_attr, finalize, _, destroy = self.calls
+        pack = _ptr()
+        _check(create(ctypes.c_int(_VARIANT_PACK), ctypes.byref(pack)), "cudnnBackendCreateDescriptor(VARIANT_PACK)")
         try:
-            _check(set_attr(*uids), "cudnnBackendSetAttribute(UNIQUE_IDS)")
-            _check(set_attr(*pointers), "cudnnBackendSetAttribute(DATA_POINTERS)")
-            _check(set_attr(*workspace), "cudnnBackendSetAttribute(WORKSPACE)")
+            for what, args in zip(("UNIQUE_IDS", "DATA_POINTERS", "WORKSPACE"), self._fill):
+                _check(set_attr(pack, *args), f"cudnnBackendSetAttribute({what})")
             _check(finalize(pack), "cudnnBackendFinalize(VARIANT_PACK)")
-            _check(execute(*run), "cudnnBackendExecute")
-        finally:
+        except BaseException:
             destroy(pack)
+            raise
+        packs = self._packs
+        if len(packs) >= self.PACKS:
+            destroy(packs.pop(next(iter(packs))))
+        packs[values] = pack
+        return pack
+
+    def __del__(self) -> None:
+        try:
+            destroy = self.calls[4]
+            for pack in self._packs.values():
+                destroy(pack)
+            self._packs.clear()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
 
 
 @functools.lru_cache(maxsize=1)
