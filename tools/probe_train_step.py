@@ -135,7 +135,22 @@ class _Counts:
         setattr(owner, name, wrapper)
 
 
-def part_model(model_name: str, batch: int) -> dict:
+def _op_tables(steps: dict) -> None:
+    """torch's operators by host time (self), 3 steps of each: what our step adds or changes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, step in steps.items():
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=50)
+        print(f"== {name}: operators by self host time, 3 steps\n{table}", flush=True)
+
+
+def part_model(model_name: str, batch: int, ops: bool = False) -> dict:
     import torch
     import torchvision
 
@@ -201,6 +216,8 @@ def part_model(model_name: str, batch: int) -> dict:
     _conv._packed = original_packed
     result["steady"] = _steady_state(steps, counts, _conv)
     print(json.dumps(result["steady"], indent=1), flush=True)
+    if ops:
+        _op_tables(steps)
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
@@ -310,9 +327,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--out", type=Path)
     p.add_argument("--skip-layer", action="store_true")
+    p.add_argument("--ops", action="store_true", help="tables of torch's operators by host time, ours and torch's")
     args = p.parse_args()
     result = {} if args.skip_layer else {"layer_host_us": part_layer()}
-    result["model"] = {args.model: part_model(args.model, args.batch)}
+    result["model"] = {args.model: part_model(args.model, args.batch, args.ops)}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0

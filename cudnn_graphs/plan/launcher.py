@@ -10,9 +10,10 @@ records the parts themselves.
 Recording must pay for itself. In a converted ResNet-50's training step on an H100 a capture cost
 0.5-2 ms of host time and a replay saved ~10 us against a direct run, while a training loop's
 activations come back only now and then (torch's caching allocator: about half of a step's pointer
-sets recur a step or two later). So a launcher records its first graph at a pointer set's second
-sight (a loop over stable buffers replays from its second call), and another only once its graphs
-have been replayed PAYBACK times each; it keeps at most GRAPHS_PER_LAUNCHER
+sets recur a step or two later, then drift). So a launcher records its first FREE_CAPTURES graphs at
+a pointer set's second sight (a loop over stable buffers, or layers of one geometry sharing the
+launcher, replay from their second call), and another only once its graphs have been replayed
+PAYBACK times each; it keeps at most GRAPHS_PER_LAUNCHER
 graphs and never evicts one (evicting is what made a rotation of pointer sets re-record forever).
 Instantiating a graph can also wait for the GPU (seen once, ~1 s, with 64 graphs per launcher), which
 that cap bounds. Pointer sets without a graph run directly, which never synchronises.
@@ -32,8 +33,8 @@ log = logging.getLogger("cudnn_graphs")
 
 GRAPHS_PER_LAUNCHER = 16  # graphs recorded in a launcher's life, all kept (see above)
 CAPTURES_PER_LAUNCHER = GRAPHS_PER_LAUNCHER  # the name tools use for the same budget
-FREE_CAPTURES = 1  # graphs recorded at a pointer set's second sight, before any replay has paid
-PAYBACK = 128  # replays per recorded graph that earn the launcher its next capture (see above)
+FREE_CAPTURES = 4  # graphs recorded at a pointer set's second sight, before any replay has paid
+PAYBACK = 64  # replays per recorded graph that earn the launcher its next capture (see above)
 _SEEN_LIMIT = 64
 
 
