@@ -86,7 +86,8 @@ def test_fake_output_keeps_channels_last():
 
 @pytest.mark.parametrize("kwargs, field", [(dict(padding="full"), "padding"), (dict(stride=0), "stride"),
                                            (dict(padding=-1), "padding"), (dict(dilation=(1, 2, 3)), "dilation"),
-                                           (dict(padding="same", stride=2), "same")])
+                                           (dict(padding="same", stride=2), "same"), (dict(groups=0), "groups"),
+                                           (dict(groups=1.0), "groups"), (dict(beta="1"), "beta")])
 def test_bad_arguments_name_the_field(kwargs, field):
     x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
     with pytest.raises(ValueError, match=field):
@@ -98,3 +99,14 @@ def test_bad_activation_is_a_spec_error():
 
     with pytest.raises(SpecError, match="activation"):
         cgt.Conv2d(2, 2, 3, activation="swishy")
+
+
+def test_equal_arguments_share_one_config_whatever_their_spelling():
+    from cudnn_graphs.torch import _conv
+
+    a = _conv._config(2, 1, 1, 1, 1, "relu", 1.0, ())
+    assert a is _conv._config(2, (1, 1), [1, 1], [1], 1, ("relu", None), 1, ())  # lists: normalised, then shared
+    assert a.flat == ([1, 1], [1, 1, 1, 1], [1, 1], 1) and a.pre is None
+    gelu = _conv._config(2, 1, "same", 1, 1, "gelu", 1.0, (4, 4))
+    assert gelu.padding == (1, 2, 1, 2) and gelu.pre.act == "identity"  # gelu's gradient needs the pre-activation
+    assert _conv._config(2, 2, 1, 1, 1, None, 1.0, ()) is not a
