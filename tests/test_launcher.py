@@ -1,6 +1,6 @@
-"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, captures
-that must be paid for by replays, a graph budget per launcher), with stand-ins for the plan's parts and
-for CUDA graphs."""
+"""CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, a graph
+budget per launcher, nothing evicted or recorded late), with stand-ins for the plan's parts and for
+CUDA graphs."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_a_capturing_stream_gets_direct_runs(launcher):
     assert launcher.plan.log == [("direct", 7, (16, 32))]
 
 
-def _earn(launcher, ptrs, n):
+def _launch_times(launcher, ptrs, n):
     for _ in range(n):
         launcher.launch(ptrs, 7, _never)
 
@@ -99,19 +99,20 @@ def test_streams_and_pointer_sets_have_their_own_graphs(launcher):
     assert [entry[0] for entry in launcher.plan.log[-3:]] == ["replay", "replay", "replay"]
 
 
-def test_captures_past_the_free_ones_wait_until_replays_paid_for_them(launcher):
-    sets = [(16 * (i + 1),) * 2 for i in range(launcher_mod.FREE_CAPTURES + 1)]
-    for ptrs in sets:  # a rotation seen twice each and never again (activations in a training loop)
-        for _ in range(2):
+def test_a_rotation_past_the_budget_runs_directly_and_never_records_late(launcher):
+    budget = launcher_mod.GRAPHS_PER_LAUNCHER
+    sets = [(16 * (i + 1),) * 2 for i in range(budget + 3)]
+    for _ in range(3):  # activations in rotation, each set recurring
+        for ptrs in sets:
             launcher.launch(ptrs, 7, _never)
-    assert launcher.captures == launcher_mod.FREE_CAPTURES, "the last set must wait for replays"
-    for _ in range(launcher_mod.PAYBACK * launcher_mod.FREE_CAPTURES - 1):
-        launcher.launch(sets[0], 7, _never)  # the first graph earns replays
-    launcher.launch(sets[-1], 7, _never)
-    assert launcher.captures == launcher_mod.FREE_CAPTURES and launcher.plan.log[-1][0] == "direct"
-    launcher.launch(sets[0], 7, _never)  # the last replay it needed
-    launcher.launch(sets[-1], 7, _never)
-    assert launcher.captures == launcher_mod.FREE_CAPTURES + 1 and launcher.plan.log[-1][0] == "replay"
+    assert launcher.captures == budget and not launcher.capture_enabled
+    launcher.plan.log.clear()
+    for _ in range(200):  # however often the graphs replay, no capture comes later
+        for ptrs in sets:
+            launcher.launch(ptrs, 7, _never)
+    assert launcher.captures == budget
+    kinds = [entry[0] for entry in launcher.plan.log]
+    assert kinds.count("replay") == 200 * budget and kinds.count("direct") == 200 * 3
 
 
 def test_pointer_sets_seen_once_never_cost_a_capture(launcher):
@@ -123,10 +124,10 @@ def test_pointer_sets_seen_once_never_cost_a_capture(launcher):
 def test_capture_stops_for_good_once_the_budget_is_spent_and_every_graph_stays(launcher):
     budget = launcher_mod.GRAPHS_PER_LAUNCHER
     sets = [(16 * (i + 1), 0) for i in range(budget + 1)]
-    for ptrs in sets[:budget]:  # each set recorded, then replayed enough to pay for the next capture
-        _earn(launcher, ptrs, 2 + launcher_mod.PAYBACK)
+    for ptrs in sets[:budget]:  # each set recorded at its second sight
+        _launch_times(launcher, ptrs, 2)
     assert launcher.captures == budget and not launcher.capture_enabled
-    _earn(launcher, sets[budget], 100)  # a new set, seen often: it runs directly, never recorded
+    _launch_times(launcher, sets[budget], 100)  # a new set, seen often: it runs directly, never recorded
     assert launcher.captures == budget and launcher.plan.log[-1] == ("direct", 7, sets[budget])
     launcher.plan.log.clear()
     for ptrs in sets[:budget]:  # nothing was evicted: every recorded set still replays

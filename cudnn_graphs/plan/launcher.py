@@ -7,16 +7,16 @@ recorded once into a CUDA graph and replayed from then on (one graph launch inst
 execute per part), except while the stream is being captured by someone else: their graph then
 records the parts themselves.
 
-Recording must pay for itself. In a converted ResNet-50's training step on an H100 a capture cost
-0.5-2 ms of host time and a replay saved ~10 us against a direct run, while a training loop's
-activations come back only now and then (torch's caching allocator: about half of a step's pointer
-sets recur a step or two later, then drift). So a launcher records its first FREE_CAPTURES graphs at
-a pointer set's second sight (a loop over stable buffers, or layers of one geometry sharing the
-launcher, replay from their second call), and another only once its graphs have been replayed
-PAYBACK times each; it keeps at most GRAPHS_PER_LAUNCHER
-graphs and never evicts one (evicting is what made a rotation of pointer sets re-record forever).
-Instantiating a graph can also wait for the GPU (seen once, ~1 s, with 64 graphs per launcher), which
-that cap bounds. Pointer sets without a graph run directly, which never synchronises.
+Recording is a warm-up activity with a fixed budget. In a converted ResNet-50's training step on an
+H100 a capture cost 0.5-2 ms of host time and a replay saved ~10 us against a direct run, while a
+training loop's activations come back only now and then (torch's caching allocator: about half of a
+step's pointer sets recur a step or two later, then drift); and instantiating a graph can wait for
+the GPU (seen in a training loop: `cuGraphInstantiate` held the host ~1 s with the GPU drained), so a
+capture must not happen late, behind queued work, on a schedule of its own. A launcher therefore
+records a graph at a pointer set's second sight, for its first GRAPHS_PER_LAUNCHER sets (a loop over
+stable buffers, or layers of one geometry sharing the plan, replay from their second call), keeps
+every graph it recorded (evicting made a rotation of pointer sets re-record forever), and runs every
+other pointer set directly, which never synchronises.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ from ..errors import CudaDriverError, GraphCaptureError
 
 log = logging.getLogger("cudnn_graphs")
 
-GRAPHS_PER_LAUNCHER = 16  # graphs recorded in a launcher's life, all kept (see above)
+GRAPHS_PER_LAUNCHER = 8  # graphs recorded in a launcher's life, all kept (see above)
 CAPTURES_PER_LAUNCHER = GRAPHS_PER_LAUNCHER  # the name tools use for the same budget
-FREE_CAPTURES = 4  # graphs recorded at a pointer set's second sight, before any replay has paid
-PAYBACK = 64  # replays per recorded graph that earn the launcher its next capture (see above)
 _SEEN_LIMIT = 64
 
 
@@ -68,7 +66,7 @@ class Launcher:
         self._graphs: dict[tuple, driver.GraphExec] = {}
         self._seen: dict[tuple, int] = {}
         self.captures = 0  # graphs recorded so far, at most GRAPHS_PER_LAUNCHER
-        self.replays = 0
+        self.replays = 0  # graph launches, for reports
         self.capture_enabled = True
         self._lock = threading.Lock()
 
@@ -93,8 +91,7 @@ class Launcher:
             self.replays += 1
             graph.launch(stream)
             return
-        if graph is None and self.capture_enabled and self._seen.get(key) and self._paid_for() \
-                and not capturing(stream):
+        if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream):
             graph = self._graph_for(key, ptrs, stream)
             if graph is not None:
                 graph.launch(stream)
@@ -104,9 +101,6 @@ class Launcher:
             if len(self._seen) >= _SEEN_LIMIT:
                 self._seen.clear()
             self._seen[key] = 1
-
-    def _paid_for(self) -> bool:
-        return self.captures < FREE_CAPTURES or self.replays >= PAYBACK * self.captures
 
     def _graph_for(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> driver.GraphExec | None:
         try:

@@ -216,9 +216,30 @@ def _torch_backward(dy, x, w, stride, padding, dilation, groups, mask):
                                                list(dilation), False, [0] * len(pairs), groups, list(mask))
 
 
-for _name, _cuda, _cpu in (("conv_fwd", _conv_fwd_cuda, _conv_fwd_torch),
-                           ("conv_bwd_data", _conv_bwd_data_cuda, _conv_bwd_data_torch),
-                           ("conv_bwd_filter", _conv_bwd_filter_cuda, _conv_bwd_filter_torch)):
+# The registered CUDA kernels (what torch.compile's graphs and double backward call) take the eager
+# memos too, through the config of their flat arguments.
+
+def _conv_fwd_op(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
+    return _fwd_eager(_op_config(stride, padding, dilation, groups, activation, act_param, beta), x, w, bias, z)
+
+
+def _conv_bwd_data_op(dy, w, x_shape, stride, padding, dilation, groups):
+    return _dgrad_eager(_op_config(stride, padding, dilation, groups, "identity", 0.0, 1.0), dy, w, tuple(x_shape))
+
+
+def _conv_bwd_filter_op(x, dy, w_shape, stride, padding, dilation, groups, bias_grad):
+    cfg = _op_config(stride, padding, dilation, groups, "identity", 0.0, 1.0)
+    dw, db = _wgrad_eager(cfg, x, dy, tuple(w_shape), bias_grad)
+    return dw, dy.new_empty(0) if db is None else db
+
+
+def _op_config(stride, padding, dilation, groups, activation: str, act_param: float, beta: float) -> "_Config":
+    return _flat_config_cached(tuple(stride), tuple(padding), tuple(dilation), groups, activation, act_param, beta)
+
+
+for _name, _cuda, _cpu in (("conv_fwd", _conv_fwd_op, _conv_fwd_torch),
+                           ("conv_bwd_data", _conv_bwd_data_op, _conv_bwd_data_torch),
+                           ("conv_bwd_filter", _conv_bwd_filter_op, _conv_bwd_filter_torch)):
     _lib.impl(_name, _cuda, "CUDA")
     _lib.impl(_name, _cpu, "CPU")
 
@@ -315,6 +336,9 @@ def _flat_config(stride, padding, dilation, groups, activation: str, act_param: 
     """The config of the registered ops' flat arguments."""
     act = Activation(activation, None if Activation(activation).param is None else act_param)
     return _canonical(tuple(stride), tuple(padding), tuple(dilation), groups, act, float(beta))
+
+
+_flat_config_cached = functools.lru_cache(maxsize=1024, typed=True)(_flat_config)
 
 
 # -- eager calls on CUDA: a memo from a cheap key straight to the prepared call -------------------------
