@@ -34,6 +34,7 @@ def lib() -> Any:
     signatures = {
         "cuInit": [ctypes.c_uint],
         "cuStreamIsCapturing": [_ptr, ctypes.POINTER(ctypes.c_int)],
+        "cuStreamQuery": [_ptr],
         "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
         "cuStreamEndCapture": [_ptr, ctypes.POINTER(_ptr)],
         "cuGraphInstantiateWithFlags": [ctypes.POINTER(_ptr), _ptr, ctypes.c_ulonglong],
@@ -64,6 +65,11 @@ def lib() -> Any:
 def _check(status: int, call: str) -> None:
     if status:
         raise CudaDriverError(call, status)
+
+
+def stream_idle(stream: int) -> bool:
+    """Whether every piece of work queued on `stream` has finished (never waits; an error counts as busy)."""
+    return lib().cuStreamQuery(stream) == 0
 
 
 def is_capturing(stream: int) -> bool:

@@ -63,6 +63,8 @@ def launcher(monkeypatch):
         return _Graph(plan.log, tuple(ptrs))
 
     monkeypatch.setattr(lau, "capture", capture)
+    monkeypatch.setattr(launcher_mod.driver, "stream_idle", lambda stream: lau.idle)
+    lau.idle = True
     return lau
 
 
@@ -144,3 +146,14 @@ def test_an_engine_that_cannot_be_captured_stays_direct(launcher, monkeypatch):
         launcher.launch((16, 32), 7, _never)
     assert not launcher.capture_enabled
     assert [entry[0] for entry in launcher.plan.log] == ["direct"] * 5
+
+
+def test_no_recording_behind_queued_work(launcher):
+    launcher.idle = False  # the stream has work queued: recording would wait for it
+    for _ in range(5):
+        launcher.launch((16, 32), 7, _never)
+    assert launcher.captures == 0 and [entry[0] for entry in launcher.plan.log] == ["direct"] * 5
+    launcher.idle = True  # the next sight with an idle stream records it
+    launcher.launch((16, 32), 7, _never)
+    launcher.launch((16, 32), 7, _never)
+    assert launcher.captures == 1 and [entry[0] for entry in launcher.plan.log[-2:]] == ["replay", "replay"]

@@ -12,9 +12,11 @@ H100 a capture cost 0.5-2 ms of host time and a replay saved ~10 us against a di
 training loop's activations come back only now and then (torch's caching allocator: about half of a
 step's pointer sets recur a step or two later, then drift); and instantiating a graph can wait for
 the GPU (seen in a training loop: `cuGraphInstantiate` held the host ~1 s with the GPU drained), so a
-capture must not happen late, behind queued work, on a schedule of its own. A launcher therefore
-records a graph at a pointer set's second sight, for its first GRAPHS_PER_LAUNCHER sets (a loop over
-stable buffers, or layers of one geometry sharing the plan, replay from their second call), keeps
+capture must never happen behind queued work: on an H100 (driver 580, cuDNN 9.19) recording a pointer
+set at its second sight, with a second of work queued, held the host for that whole second, in two of
+two runs of tests/test_gpu_calls.py. A launcher therefore records a graph at a pointer set's second
+sight (or a later one) only while the stream has nothing queued, for its first GRAPHS_PER_LAUNCHER sets
+(a loop over stable buffers, or layers of one geometry sharing the plan, replay from then on), keeps
 every graph it recorded (evicting made a rotation of pointer sets re-record forever), and runs every
 other pointer set directly, which never synchronises.
 """
@@ -91,7 +93,8 @@ class Launcher:
             self.replays += 1
             graph.launch(stream)
             return
-        if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream):
+        if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream) \
+                and driver.stream_idle(stream):  # recording behind queued work waits for it (see above)
             graph = self._graph_for(key, ptrs, stream)
             if graph is not None:
                 graph.launch(stream)
