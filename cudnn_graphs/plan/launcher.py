@@ -94,7 +94,7 @@ class Launcher:
             graph.launch(stream)
             return
         if graph is None and self.capture_enabled and self._seen.get(key) and not capturing(stream) \
-                and driver.stream_idle(stream):  # recording behind queued work waits for it (see above)
+                and _nothing_queued(stream):
             graph = self._graph_for(key, ptrs, stream)
             if graph is not None:
                 graph.launch(stream)
@@ -151,6 +151,12 @@ class Launcher:
             return driver.GraphExec(graph)
         except CudaDriverError as err:
             raise GraphCaptureError(self.plan.spec, self.plan.engines, err) from err
+
+
+def _nothing_queued(stream: int) -> bool:
+    """Recording behind queued work waits for it (see above): `stream` and the legacy default stream,
+    which blocking streams' work runs behind, must both be idle (cuStreamQuery never waits)."""
+    return driver.stream_idle(stream) and (stream == 0 or driver.stream_idle(0))
 
 
 _sides = threading.local()
