@@ -2,23 +2,20 @@
 
 `Launcher.launch(ptrs, stream)` patches this call's pointers into arrays built once per (thread,
 stream) and runs each part through the backend's own entry; nothing is described or checked (the
-caller's memo key already proved the buffers match). A pointer tuple seen twice on a stream is
-recorded once into a CUDA graph and replayed from then on (one graph launch instead of a cuDNN
-execute per part), except while the stream is being captured by someone else: their graph then
-records the parts themselves.
+caller's memo key already proved the buffers match). A pointer tuple seen before may be recorded into
+a CUDA graph and replayed from then on (one graph launch instead of a cuDNN execute per part), except
+while the stream is being captured by someone else: their graph then records the parts themselves.
 
-Recording is a warm-up activity with a fixed budget. In a converted ResNet-50's training step on an
-H100 a capture cost 0.5-2 ms of host time and a replay saved ~10 us against a direct run, while a
-training loop's activations come back only now and then (torch's caching allocator: about half of a
-step's pointer sets recur a step or two later, then drift); and instantiating a graph can wait for
-the GPU (seen in a training loop: `cuGraphInstantiate` held the host ~1 s with the GPU drained), so a
-capture must never happen behind queued work: on an H100 (driver 580, cuDNN 9.19) recording a pointer
-set at its second sight, with a second of work queued, held the host for that whole second, in two of
-two runs of tests/test_gpu_calls.py. A launcher therefore records a graph at a pointer set's second
-sight (or a later one) only while the stream has nothing queued, for its first GRAPHS_PER_LAUNCHER sets
-(a loop over stable buffers, or layers of one geometry sharing the plan, replay from then on), keeps
-every graph it recorded (evicting made a rotation of pointer sets re-record forever), and runs every
-other pointer set directly, which never synchronises.
+Recording is a warm-up activity with a fixed budget, measured on an H100 (driver 580, cuDNN 9.19):
+- it must never happen behind queued work: recording a pointer set with a second of work queued held
+  the host for that whole second (tests/test_gpu_calls.py, two runs of two), as `cuGraphInstantiate`
+  once did in a training loop; so a set is recorded at a sight that finds the stream idle;
+- it costs 0.5-2 ms of host time where a replay saves ~10 us, and a training loop's activations come
+  back only for a while (torch's caching allocator: about half of a step's pointer sets recur a step or
+  two later, then drift); so a launcher records at most GRAPHS_PER_LAUNCHER graphs, its first sets (a
+  loop over stable buffers, or layers of one geometry sharing the plan), and keeps them all (evicting
+  made a rotation of pointer sets re-record forever).
+Every other pointer set runs directly, which never synchronises.
 """
 
 from __future__ import annotations
