@@ -7,20 +7,25 @@ a is [M, K] or [Bt, M, K], b is [K, N] (shared), bias [N]; either may be a trans
 the strides and handed to cuBLAS as op flags, never copied). Forward: one GEMM writes a @ b in f32, one
 pass adds the bias, rounds once (like torch's addmm with its bias epilogue), applies the activation to
 the rounded pre-activation and writes y and aux. (A beta = 1 GEMM onto a bias-filled 16-bit output
-behaved on an H100 as if a @ b were rounded before the bias was added, flipping relu's sign near 0.) aux is the minimal state the backward needs: None for identity, a bit mask
-(uint32 words [..., M, ceil(N / 32)], bit c % 32 of word c // 32 set where pre > 0) for relu and
-leaky_relu, else the pre-activation in the io dtype (what torch saves).
+behaved on an H100 as if a @ b were rounded before the bias was added, flipping relu's sign near 0.)
+Where cuBLASLt expresses the whole layer (bias with gelu_tanh, or bias alone: `cublaslt.py`),
+one cuBLASLt GEMM does it in its epilogue, in f32 before the single rounding, and writes the aux itself.
+aux is the minimal state the backward needs: None for identity, a bit mask (32-bit words
+[..., M, mask_words(N)], bit c % 32 of word c // 32 set where pre > 0; rows padded to 128 bits, the layout
+cuBLASLt's RELU_AUX writes) for relu and leaky_relu, else the pre-activation in the io dtype (what torch
+saves).
 
 Backward: one pass reads dy and aux once and writes grad_pre = dy * act'(pre) once, with the bias gradient's
 column sums fused in (per-block f32 partials, then a fixed-order sum: deterministic, no atomics, no second
-read of grad_pre); then dA = grad_pre @ b.T and dB = a.T @ grad_pre through cuBLAS. With `chunks` > 1 the
-pass runs in row chunks and dA's row chunks run on a side stream as soon as their rows are ready.
+read of grad_pre); then dA = grad_pre @ b.T and dB = a.T @ grad_pre through cuBLASLt where it is installed
+(nvmath-python) and the batch flattens, else cuBLAS; for identity, dbias comes from dB's GEMM epilogue
+(BGRADA / BGRADB) and there is no pass at all. With `chunks` > 1 the pass runs in row chunks and dA's row
+chunks run on a side stream (cuBLAS) as soon as their rows are ready.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,7 +34,7 @@ from gpu_launch.activations import ACTIVATIONS, Activation, as_activation
 from gpu_launch.buffers import BufferInfo, describe
 from gpu_launch.errors import BufferMismatchError, SpecError
 
-from . import blas
+from . import blas, cublaslt
 from . import compile as _compile
 from .blas import Mat
 
@@ -156,7 +161,7 @@ class _Operands:
 
     @property
     def mask_shape(self) -> tuple[int, ...]:
-        return (*self.lead, self.m, (self.n + 31) // 32)
+        return (*self.lead, self.m, mask_words(self.n))
 
     def add(self, role: str, obj: Any) -> BufferInfo:
         info = _describe(obj, role)
@@ -337,6 +342,14 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
                 aux, iaux = _alloc(ops, a, ops.mask_shape, _contiguous(ops.mask_shape), "mask")
             else:
                 aux, iaux = _alloc(ops, a, ops.y_shape, _contiguous(ops.y_shape), dtype)
+        epilogue = _lt_epilogue(act, ib is not None, aux is not None)
+        if epilogue is not None:
+            keep = _lt_mat(ops, _rows_mat(ops, iy.ptr, dtype).flat_rows(), ops.a.flat_rows(), ops.b,
+                           accumulate=False, tf32=allow_tf32, sptr=sptr, epilogue=epilogue,
+                           bias=ib.ptr if ib is not None else 0, aux=iaux.ptr if aux is not None else 0,
+                           bias_stride=ib.strides[0] if ib is not None else 1)
+            if keep is not None:
+                return y, aux
         handle = blas.main_handle(device, sptr)
         compute = blas.compute_type(dtype, allow_tf32=allow_tf32, handle=handle)
         if act.name == "identity" and ib is None:  # y = a @ b straight from cuBLAS: one rounding
@@ -356,10 +369,66 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
         grid = (_cdiv(n, 32 * v), max(1, min(_cdiv(rows, WARPS), _sm_count(device) * 8)))
         fn(grid, (BLOCK,), (_u64(acc_ptr), _u64(ib.ptr if ib is not None else 0),
                             np.int64(ib.strides[0] if ib is not None else 0), _u64(pre_ptr), _u64(iy.ptr),
-                            _u64(mask_ptr), np.int64(rows), np.int32(n), np.int32((n + 31) // 32),
+                            _u64(mask_ptr), np.int64(rows), np.int32(n), np.int32(mask_words(n)),
                             np.int32(ACT_CODES[act.name]), np.float32(act.param or 0.0)), stream=st)
         del keep  # stream-ordered allocators: freeing after the queued launches is safe
     return y, aux
+
+
+# activation -> the cuBLASLt epilogue family that computes it exactly (its GELU is the tanh approximation).
+# Not relu: on an H100 (cuBLAS 13, bf16 and fp16) RELU_AUX_BIAS's bit mask disagreed with the sign of the
+# pre-activation on a few elements of some random cases of tests/test_gpu_gemm_act.py while y was right
+# (tools/probe_relu_mask.py did not reproduce it on its data); relu keeps the fused pass's mask.
+LT_FORWARD = {"identity": "BIAS", "gelu_tanh": "GELU"}
+
+
+def _lt_epilogue(act: Activation, has_bias: bool, save: bool) -> str | None:
+    """The cuBLASLt epilogue that does the whole forward, or None (the GEMM + fused pass does it)."""
+    family = LT_FORWARD.get(act.name)
+    if family is None or not cublaslt.available() or (act.name == "identity" and not has_bias):
+        return None
+    if act.name == "identity":
+        return "BIAS"
+    return family + ("_AUX" if save else "") + ("_BIAS" if has_bias else "")
+
+
+_SWAP_BGRAD = {"BGRADA": "BGRADB", "BGRADB": "BGRADA"}
+
+
+def _lt_mat(ops: _Operands, x: Mat | None, p: Mat | None, q: Mat | None, *, accumulate: bool, tf32: bool,
+            sptr: int, epilogue: str = "DEFAULT", bias: int = 0, aux: int = 0, bias_stride: int = 1) -> list | None:
+    """x = p @ q (+ x) on cuBLASLt with an epilogue, for single matrices (None: a batch that did not
+    flatten); the scratch owners to keep alive until the launch is queued, or None where cuBLASLt cannot
+    take it (the caller uses cuBLAS).
+
+    BGRADA sums q over its rows into `bias` (length N); the epilogues' bias and aux run along x's columns."""
+    if not cublaslt.available() or x is None or p is None or q is None:
+        return None
+    if 1 < max(x.batch, p.batch, q.batch) or x.order is None or p.order is None or q.order is None:
+        return None
+    if bias and (bias_stride != 1 and x.cols > 1 or bias % 16):
+        return None
+    if x.order[0] == "col":  # x = p @ q  <=>  x.T = q.T @ p.T, x.T row-major; BGRADA/BGRADB trade places
+        if epilogue not in ("DEFAULT", "BGRADA", "BGRADB"):
+            return None
+        x, p, q, epilogue = x.T, q.T, p.T, _SWAP_BGRAD.get(epilogue, epilogue)
+    aux_ld = 0
+    if epilogue in cublaslt.AUX_EPILOGUES:
+        aux_ld = cublaslt.relu_mask_ld(x.cols) if "RELU" in epilogue else x.cols
+        if "GELU" in epilogue and x.cols % cublaslt.GELU_AUX_LD:
+            return None
+    if max(x.rows, x.cols, p.cols) > blas.INT_MAX:
+        return None
+    geometry = cublaslt.Geometry(ops.device, ops.dtype, x.rows, x.cols, p.cols, p.order, q.order, x.order[1],
+                                 epilogue, aux_ld, tf32 and ops.dtype == "float32",
+                                 (cublaslt.alignment(p.ptr), cublaslt.alignment(q.ptr), cublaslt.alignment(x.ptr)))
+    try:
+        plan = cublaslt.lt_gemm(geometry)
+    except cublaslt.CublasLtError:
+        return None
+    owner, ws = _scratch(ops, plan.workspace)
+    plan.run(a=p.ptr, b=q.ptr, d=x.ptr, stream=sptr, bias=bias, aux=aux, accumulate=accumulate, workspace=ws)
+    return [owner]
 
 
 def _rows_mat(ops: _Operands, ptr: int, dtype: str) -> Mat:
@@ -444,9 +513,18 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
         else:
             g_ptr = 0
         g = Mat(g_ptr or idy.ptr, ops.m, n, n, 1, dtype, ops.batch, ops.m * n if ops.batch > 1 else 0)
-        run_pass = mode != AUX_NONE and g_ptr or "bias" in need
         handle = blas.main_handle(device, sptr)
         compute = blas.compute_type(dtype, allow_tf32=allow_tf32, handle=handle)
+        tf32 = compute == blas.COMPUTE_32F_FAST_TF32
+        b_done = False
+        if mode == AUX_NONE and "bias" in need and "b" in need and not accumulate:  # dbias from dB's epilogue
+            ob = outs["bias"][1]
+            lt = _lt_mat(ops, ops.mat("db", outs["b"][1]), ops.a.T.flat_cols(), g.flat_rows(), accumulate=False,
+                         tf32=tf32, sptr=sptr, epilogue="BGRADA", bias=ob.ptr, bias_stride=ob.strides[0])
+            if lt is not None:
+                keep += lt
+                b_done = True
+        run_pass = mode != AUX_NONE and g_ptr or ("bias" in need and not b_done)
         da_mat = ops.mat("da", outs["a"][1]) if "a" in need else None
         fx = da_mat.flat_rows() if da_mat is not None else None
         nchunks = chunks or 1
@@ -472,7 +550,7 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
                 nparts = sum(blocks)
                 owner, partial_ptr = _scratch(ops, nparts * n * 4)
                 keep.append(owner)
-            mask_ld = (n + 31) // 32
+            mask_ld = mask_words(n)
             pidx = 0
             events = _events(device, len(bounds)) if side is not None else None
             for i, ((r0, r1), nb) in enumerate(zip(bounds, blocks)):
@@ -499,10 +577,20 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
                 fn(_grid_1d(n), (256,), (_u64(partial_ptr), np.int32(nparts), np.int32(n), _u64(ob.ptr),
                                          np.int64(ob.strides[0]), np.int32(bool(accumulate))), stream=st)
         if "a" in need and side is None:
-            _gemm_rows(handle, da_mat, g, ops.b.T, beta=beta, compute=compute)
-        if "b" in need:
-            keep += _grad_b(ops, handle, ops.mat("db", outs["b"][1]), g, beta=beta, compute=compute, stream=st,
-                            accumulate=accumulate)
+            lt = _lt_mat(ops, fx, g.flat_rows(), ops.b.T, accumulate=accumulate, tf32=tf32, sptr=sptr)
+            if lt is None:
+                _gemm_rows(handle, da_mat, g, ops.b.T, beta=beta, compute=compute)
+            else:
+                keep += lt
+        if "b" in need and not b_done:
+            db_mat = ops.mat("db", outs["b"][1])
+            lt = _lt_mat(ops, db_mat, ops.a.T.flat_cols(), g.flat_rows(), accumulate=accumulate, tf32=tf32,
+                         sptr=sptr)
+            if lt is None:
+                keep += _grad_b(ops, handle, db_mat, g, beta=beta, compute=compute, stream=st,
+                                accumulate=accumulate)
+            else:
+                keep += lt
         if side is not None:
             st.wait_event(events[-1])
         del keep  # stream-ordered allocators: freeing after the queued launches is safe
@@ -566,5 +654,5 @@ def _events(device: int, count: int) -> list:
 
 
 def mask_words(n: int) -> int:
-    """uint32 words per row of the relu / leaky_relu bit mask."""
-    return math.ceil(n / 32)
+    """32-bit words per row of the relu / leaky_relu bit mask: n bits padded to cuBLASLt's 128."""
+    return cublaslt.relu_mask_ld(n) // 32

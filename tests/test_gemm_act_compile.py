@@ -192,7 +192,7 @@ def test_forward_argument_checks():
 
 def test_backward_argument_checks():
     a, b = _Fake((8, 4)), _Fake((4, 40))
-    dy, pre, mask = _Fake((8, 40)), _Fake((8, 40)), _Fake((8, 2), "<u4")
+    dy, pre, mask = _Fake((8, 40)), _Fake((8, 40)), _Fake((8, 4), "<u4")
     bwd = gemm_act.gemm_bias_act_backward
     with pytest.raises(BufferMismatchError) as e:  # a transposed dy: the elementwise pass wants it contiguous
         bwd(_Fake((8, 40), strides=_bytes((1, 8))), a, b, pre, activation="gelu")
@@ -201,7 +201,7 @@ def test_backward_argument_checks():
         bwd(dy, a, b, pre, activation="relu")  # relu's aux is the bit mask
     assert _err(e) == ("aux", "shape")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, _Fake((8, 2), "<f4"), activation="relu")
+        bwd(dy, a, b, _Fake((8, 4), "<f4"), activation="relu")
     assert _err(e) == ("aux", "dtype")
     with pytest.raises(BufferMismatchError) as e:
         bwd(dy, a, b, None, activation="gelu")
@@ -222,4 +222,5 @@ def test_backward_argument_checks():
         bwd(dy, a, b, mask, activation="relu", chunks=0)
     assert e.value.field == "chunks"
     assert bwd(dy, a, b, mask, activation="relu", need=()) == (None, None, None)
-    assert gemm_act.mask_words(40) == 2 and gemm_act.mask_words(32) == 1
+    # 40 bits padded to 128 (cuBLASLt's RELU_AUX row pitch): 4 words; 129 bits: 8
+    assert gemm_act.mask_words(40) == 4 and gemm_act.mask_words(128) == 4 and gemm_act.mask_words(129) == 8

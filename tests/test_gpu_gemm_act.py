@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from cudnn_graphs.errors import BufferMismatchError  # noqa: E402
 from gpu_launch.activations import as_activation  # noqa: E402
+from fallback_kernels import gemm_act  # noqa: E402
 from fallback_kernels.gemm_act import gemm_bias_act, gemm_bias_act_backward  # noqa: E402
 
 from .gpu_reference import act_fn  # noqa: E402
@@ -64,13 +65,21 @@ def reference(a, b, bias, act, dy, y_hint=None):
 
 
 def mask_words(y):
-    """The expected bit mask: bit c % 32 of word c // 32 where y > 0 (= pre > 0 for relu, leaky_relu)."""
+    """The expected bit mask: bit c % 32 of word c // 32 where y > 0 (= pre > 0 for relu, leaky_relu), rows
+    padded to 128 bits (cuBLASLt's RELU_AUX pitch); and which bits are meaningful (the padding is not)."""
     *lead, m, n = y.shape
-    words = (n + 31) // 32
+    words = gemm_act.mask_words(n)
     bits = torch.zeros((*lead, m, words * 32), dtype=torch.int64, device=y.device)
+    valid = torch.zeros_like(bits)
     bits[..., :n] = (y > 0).long()
+    valid[..., :n] = 1
     weights = 2 ** torch.arange(32, device=y.device, dtype=torch.int64)
-    return (bits.view(*lead, m, words, 32) * weights).sum(-1)
+    return tuple((t.view(*lead, m, words, 32) * weights).sum(-1) for t in (bits, valid))
+
+
+def mask_matches(aux, y) -> bool:
+    want, valid = mask_words(y)
+    return aux.dtype == torch.int32 and aux.shape == want.shape and torch.equal(aux.long() & valid, want)
 
 
 def run_case(dtype, act, *, m, k, n, batch=None, ta=False, tb=False, bias=True, accumulate=False,
@@ -93,7 +102,7 @@ def run_case(dtype, act, *, m, k, n, batch=None, ta=False, tb=False, bias=True, 
     if (e := rel(y, ry)) > tol or not torch.isfinite(y).all():
         fails.append(f"{tag}: y err {e:.2e}")
     if act.name in ("relu", "leaky_relu"):
-        if aux.dtype != torch.int32 or not torch.equal(aux.long() & 0xFFFFFFFF, mask_words(y)):
+        if not mask_matches(aux, y):
             fails.append(f"{tag}: bit mask differs from y > 0")
     elif act.name != "identity" and (aux.dtype != y.dtype or rel(aux, a.double() @ b.double() +
                                                                (bv.double() if bias else 0)) > tol):

@@ -1,5 +1,5 @@
 """Drop-in PyTorch modules and functions: convolutions on this library's cuDNN plans (`Conv2d` ...),
-and the fallback kernels (`grid_sample`, `LinearAct`).
+and the fallback kernels (`grid_sample`, `LinearAct`, `MLP` on cuBLASLt).
 
 `import cudnn_graphs.torch` needs torch; the names below load on first use.
 """
@@ -16,6 +16,7 @@ _EXPORTS = {
     "GridSample": "_grid_sample",
     "linear_act": "_linear_act",
     "LinearAct": "_linear_act",
+    "MLP": "_mlp", "mlp": "_mlp",
 }
 __all__ = sorted(_EXPORTS)
 
