@@ -4,9 +4,8 @@ feed-forward), with its backward fused the way Transformer Engine's MLP does it,
     mlp = MLP([4096, 16384, 4096], activation="gelu_tanh", device="cuda", dtype=torch.bfloat16)
     y = mlp(x)          # x [..., 4096]
 
-Forward, each hidden layer is one GEMM whose epilogue adds the bias, applies the activation and saves what
-its derivative needs (the pre-activation for gelu_tanh, a bit mask for relu); the last layer's epilogue adds
-its bias. Backward, from the last layer down: its wgrad GEMM also sums its bias gradient (BGRADB, free on an
+Forward, each hidden layer is one GEMM whose epilogue adds the bias, applies the activation and saves the
+pre-activation its derivative needs; the last layer's epilogue adds its bias. Backward, from the last layer down: its wgrad GEMM also sums its bias gradient (BGRADB, free on an
 H100), and each dgrad GEMM that produces a hidden layer's gradient applies that layer's activation
 derivative in its epilogue (DGELU), then one column sum gives that layer's bias gradient (DGELU_BGRAD
 does both but was 0.9 ms slower per 8192 x 16384 GEMM on an H100): four GEMMs and one reduction for two
@@ -55,16 +54,6 @@ def _run(device: int, dtype: str, d: torch.Tensor, a: torch.Tensor, b: torch.Ten
              workspace=ws.data_ptr() if ws is not None else 0)
 
 
-def _aux_ld(family: str, n: int) -> int:
-    return cublaslt.relu_mask_ld(n) if family == "RELU" else n
-
-
-def _new_aux(family: str, rows: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    if family == "RELU":  # the bit mask: 32-bit words, rows padded to 128 bits
-        return torch.empty(rows, _aux_ld(family, n) // 32, dtype=torch.int32, device=like.device)
-    return torch.empty(rows, n, dtype=like.dtype, device=like.device)
-
-
 class _FusedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, family, *params):
@@ -82,9 +71,9 @@ class _FusedMLP(torch.autograd.Function):
                     epilogue, aux = ("BIAS" if has_bias else "DEFAULT"), None
                 else:
                     epilogue = family + "_AUX" + ("_BIAS" if has_bias else "")
-                    aux = _new_aux(family, rows, w.shape[0], x)
+                    aux = torch.empty_like(out)  # the pre-activation, [rows, width] like out
                 _run(device, dtype, out, h, w, b_col=True, epilogue=epilogue, bias=b, aux=aux,
-                     aux_ld=_aux_ld(family, w.shape[0]) if aux is not None else 0)
+                     aux_ld=w.shape[0] if aux is not None else 0)
                 if not last:
                     saved += [out, aux]
                 h = out
@@ -129,8 +118,7 @@ class _FusedMLP(torch.autograd.Function):
                 # (bf16, 8192 x 4096 -> 16384, H100: tools/probe_lt_epilogues.py); torch's sum is fixed-order.
                 width = w.shape[1]
                 dpre = torch.empty(rows, width, dtype=x.dtype, device=x.device)
-                _run(device, dtype, dpre, g, w, epilogue=f"D{family}", aux=auxes[i - 1],
-                     aux_ld=_aux_ld(family, width))
+                _run(device, dtype, dpre, g, w, epilogue=f"D{family}", aux=auxes[i - 1], aux_ld=width)
                 if has_bias and need[3 + 2 * (i - 1)]:
                     grads[2 * (i - 1) + 1] = dpre.sum(0, dtype=torch.float32).to(x.dtype)
                 g = dpre
