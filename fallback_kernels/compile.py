@@ -62,6 +62,15 @@ def cubin(filename: str, name_expression: str, arch: str, options: tuple[str, ..
         nvrtc.destroyProgram(prog)
 
 
+def cufunction(kernel: Any, device: int) -> int:
+    """The CUfunction behind a CuPy RawKernel of `device`, for `gpu_launch.driver.Kernel` (CuPy loads
+    modules in the primary context, where the driver layer launches)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return int(getattr(kernel, "kernel", kernel).ptr)
+
+
 def nvrtc_check(filename: str, name_expressions: Sequence[str], arch: str,
                 options: tuple[str, ...] = BASE_OPTIONS) -> dict[str, str]:
     """Compile with NVRTC for `arch` (e.g. "sm_90") without a GPU; {name expression: lowered name}."""

@@ -81,6 +81,7 @@ class Geometry:
     aux_ld: int = 0
     tf32: bool = False
     align: tuple[int, int, int] = (256, 256, 256)  # A, B, D
+    out_dtype: str | None = None  # D's type where it differs from A's and B's (float32 accumulators out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,7 +113,7 @@ class LtGemm:
         self._layouts = (
             L.matrix_layout_create(t, *((g.n, g.k) if g.b[0] == "row" else (g.k, g.n)), g.b[1]),
             L.matrix_layout_create(t, *((g.k, g.m) if g.a[0] == "row" else (g.m, g.k)), g.a[1]),
-            L.matrix_layout_create(t, g.n, g.m, g.ldd),
+            L.matrix_layout_create(CUDA_R[g.out_dtype or g.dtype], g.n, g.m, g.ldd),
         )
         self._ptr_buf = np.zeros(2, np.uint64)  # bias, aux: written per call, read by set_attribute
         self._ptr_addr = self._ptr_buf.ctypes.data

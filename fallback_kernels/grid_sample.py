@@ -484,7 +484,7 @@ def _step(op: tuple, device: int) -> _Step:
         if isinstance(a, _Ref):
             patches.append((value, a.name, a.offset))
         values.append(value)
-    kernel = driver.Kernel(_cufunction(fn, device), grid=grid, block=block, args=values, ordinal=device,
+    kernel = driver.Kernel(_compile.cufunction(fn, device), grid=grid, block=block, args=values, ordinal=device,
                            shared=shared)
     return _Step(kernel, tuple(patches), op)
 
@@ -510,15 +510,6 @@ def _c_arg(a: Any) -> Any:
     if isinstance(a, np.int64):
         return ctypes.c_int64(int(a))
     raise TypeError(f"kernel argument of type {type(a).__name__}")
-
-
-def _cufunction(fn: Any, device: int) -> int:
-    """The CUfunction behind a CuPy kernel of `device` (CuPy loads modules in the primary context, as
-    the driver layer launches)."""
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return int(getattr(fn, "kernel", fn).ptr)
 
 
 def _other_op(op: tuple, ptrs: dict, owner: Any, device: int, stream_ptr: int) -> None:

@@ -17,38 +17,53 @@ def test_relu_mask_pitch_and_alignment_classes():
 
 
 def test_forward_epilogue_choice():
-    if not cublaslt.available():
-        pytest.skip("nvmath-python not installed")
     act = lambda n: as_activation("activation", n)  # noqa: E731
     assert gemm_act._lt_epilogue(act("gelu_tanh"), True, True) == "GELU_AUX_BIAS"
     assert gemm_act._lt_epilogue(act("gelu_tanh"), False, False) == "GELU"
     assert gemm_act._lt_epilogue(act("identity"), True, False) == "BIAS"
-    # identity without bias is a plain cuBLAS GEMM; exact gelu and relu keep the fused pass
-    assert gemm_act._lt_epilogue(act("identity"), False, False) is None
-    assert gemm_act._lt_epilogue(act("gelu"), True, True) is None
-    assert gemm_act._lt_epilogue(act("relu"), True, True) is None
-
-
-class _Ops:
-    device, dtype = 0, "bfloat16"
+    assert gemm_act._lt_epilogue(act("identity"), False, False) == "DEFAULT"
+    # exact gelu and relu are not in cuBLASLt's epilogues: the GEMM adds the bias, the pass does the rest
+    assert set(gemm_act.LT_FORWARD) == {"identity", "gelu_tanh"}
 
 
 def _m(ptr, rows, cols, rs, cs, batch=1, bs=0):
     return Mat(ptr, rows, cols, rs, cs, "bfloat16", batch, bs)
 
 
+def _geometry(x, p, q, **kw):
+    return gemm_act._lt_geometry(0, "bfloat16", x, p, q, tf32=False, addr=lambda v: v, **kw)
+
+
 def test_lt_declines_what_it_cannot_express_before_any_gpu_call():
-    ops = _Ops()
     x, p, q = _m(0x1000, 8, 16, 16, 1), _m(0x2000, 8, 4, 4, 1), _m(0x3000, 4, 16, 16, 1)
-    kw = {"accumulate": False, "tf32": False, "sptr": 0}
-    assert gemm_act._lt_mat(ops, None, p, q, **kw) is None  # a batch that did not flatten
-    assert gemm_act._lt_mat(ops, _m(0x1000, 8, 16, 16, 1, batch=2, bs=128), p, q, **kw) is None
-    assert gemm_act._lt_mat(ops, x, p, q, epilogue="BIAS", bias=0x4008, **kw) is None  # bias not 16-byte aligned
-    assert gemm_act._lt_mat(ops, x, p, q, epilogue="BIAS", bias=0x4000, bias_stride=2, **kw) is None
+    assert _geometry(None, p, q, epilogue="DEFAULT") is None  # a batch that did not flatten
+    assert _geometry(_m(0x1000, 8, 16, 16, 1, batch=2, bs=128), p, q, epilogue="DEFAULT") is None
+    assert _geometry(x, p, q, epilogue="BIAS", bias=0x4008) is None  # bias not 16-byte aligned
+    assert _geometry(x, p, q, epilogue="BIAS", bias=0x4000, bias_stride=2) is None
     xt = _m(0x1000, 8, 16, 1, 8)  # a column-major output takes only epilogues that survive the transpose
-    assert gemm_act._lt_mat(ops, xt, p, q, epilogue="GELU_AUX_BIAS", bias=0x4000, aux=0x5000, **kw) is None
+    assert _geometry(xt, p, q, epilogue="GELU_AUX_BIAS", bias=0x4000) is None
     odd = _m(0x1000, 8, 13, 13, 1)  # gelu's aux pitch must be a multiple of 8 elements
-    assert gemm_act._lt_mat(ops, odd, p, _m(0x3000, 4, 13, 13, 1), epilogue="GELU_AUX", aux=0x5000, **kw) is None
+    assert _geometry(odd, p, _m(0x3000, 4, 13, 13, 1), epilogue="GELU_AUX") is None
+
+
+def test_lt_geometry_orients_the_output_row_major_and_records_alignment_classes():
+    if not cublaslt.available():
+        pytest.skip("nvmath-python not installed")
+    x, p, q = _m(0x1000, 8, 16, 16, 1), _m(0x2010, 8, 4, 4, 1), _m(0x3000, 4, 16, 1, 4)
+    geometry, *_ = _geometry(x, p, q, epilogue="GELU_AUX_BIAS", bias=0x4000)
+    assert (geometry.m, geometry.n, geometry.k) == (8, 16, 4)
+    assert (geometry.a, geometry.b, geometry.ldd, geometry.aux_ld) == (("row", 4), ("col", 4), 16, 16)
+    assert geometry.align == (16, 256, 256) and geometry.epilogue == "GELU_AUX_BIAS"
+    xt = _m(0x1000, 8, 16, 1, 8)  # x column-major: x.T = q.T @ p.T, and BGRADA becomes BGRADB
+    geometry, x2, p2, q2 = _geometry(xt, p, q, epilogue="BGRADA", bias=0x4000)
+    assert geometry.epilogue == "BGRADB" and (x2.rows, x2.cols) == (16, 8) and p2.ptr == q.ptr and q2.ptr == p.ptr
+
+
+def test_locations_move_like_pointers():
+    loc = gemm_act.Loc("dy") + 64
+    assert loc == gemm_act.Loc("dy", 64) and (loc + 8).offset == 72
+    m = Mat(gemm_act.Loc("a"), 10, 4, 4, 1, "float16")
+    assert m.row_slice(2, 6).ptr == gemm_act.Loc("a", 16)  # 2 rows of 4 halves
 
 
 def test_mlp_module_matches_torch_on_cpu_and_shares_nn_linear_parameters():

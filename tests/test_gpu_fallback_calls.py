@@ -80,3 +80,29 @@ def test_repeated_grid_sample_calls_compute_fresh_data_and_tell_offsets_apart():
         for got, ref in ((out, want), (gi, x64.grad), (gg, g64.grad)):
             err = float((got.double() - ref).norm() / ref.norm())
             assert err < 1e-5, (offset, err)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "identity"])
+def test_repeated_gemm_calls_compute_fresh_data_and_tell_offsets_apart(act):
+    """gemm_bias_act's second call of a geometry runs the kept program: it must read this call's data and
+    write fresh results, and operands at another address modulo 256 (vector widths and cuBLASLt's
+    alignment classes depend on it) must get their own program."""
+    F = torch.nn.functional
+    fn = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+          "identity": lambda t: t}[act]
+    m, k, n = 96, 64, 48
+    base_a = torch.empty(m * k + 8, device="cuda", dtype=torch.float16)
+    base_bias = torch.empty(n + 8, device="cuda", dtype=torch.float16)
+    for offset in (0, 0, 1, 1, 8, 0):  # 1: 2-byte aligned (scalar kernels, cuBLAS or a low alignment class)
+        a = base_a[offset:offset + m * k].view(m, k).normal_()
+        bias = base_bias[offset:offset + n].normal_()
+        b = torch.randn(n, k, device="cuda", dtype=torch.float16).t() * k ** -0.5  # nn.Linear's weight.T
+        dy = torch.randn(m, n, device="cuda", dtype=torch.float16)
+        y, aux = gemm_bias_act(a, b, bias, activation=act)
+        da, db, dbias = gemm_bias_act_backward(dy, a, b, aux, activation=act)
+        a64, b64, bias64 = (t.detach().double().requires_grad_(True) for t in (a, b, bias))
+        want = fn(torch.addmm(bias64, a64, b64))
+        want.backward(dy.double())
+        for name, got, ref in (("y", y, want), ("da", da, a64.grad), ("db", db, b64.grad), ("dbias", dbias, bias64.grad)):
+            err = float((got.double() - ref).norm() / ref.norm())
+            assert err < 3e-3, (act, offset, name, err)

@@ -267,3 +267,34 @@ def test_linear_act_module_matches_nn_linear():
     torch.tanh(x64 @ w.double().t()).backward(torch.ones_like(y).double())
     assert w.grad is None and rel(x.grad, x64.grad) < TOL["float16"]
     assert linear_act(rand((0, 40), "float16"), w, activation="relu").shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", ["gelu", "silu", "sigmoid", "elu"])
+def test_forward_pass_matches_the_exact_formula_on_the_saved_pre_activation(dtype, act):
+    """y against the activation of the very pre-activation the forward saved, in float64 then rounded: at
+    most one ulp apart anywhere (16-bit outputs take SFU formulas a few 1e-7 off the exact ones; gelu's stays
+    accurate in the negative tail, where torch's f32 1 + erf cancels), across [-12, 12] and the special
+    values (as the bias of a zero product)."""
+    # tiny: fp16's smallest subnormal; for bf16, results within a few binades of f32's subnormals may flush
+    # to 0 (the SFU's exp flushes them; gelu(-13) ~ -1e-38), where torch's own f32 gelu returns 0 anyway
+    eps, tiny = {"float16": (2.0 ** -10, 2.0 ** -24), "bfloat16": (2.0 ** -7, 2.0 ** -122)}[dtype]
+    fn = act_fn(as_activation("a", act))
+    if act == "gelu":  # 1 + erf cancels even in float64 below about -8: erfc keeps the tail's digits
+        fn = lambda t: 0.5 * t * torch.special.erfc(-t * 2 ** -0.5)  # noqa: E731
+
+    def check(y, pre):
+        want = fn(pre.double()).to(DT[dtype]).float()
+        got = y.float()
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), (act, pre[torch.isnan(got) != nan])
+        close = (got == want) | ((got - want).abs() <= want.abs() * eps + tiny)
+        assert (close | nan).all(), (act, pre[~(close | nan)][:8].tolist(), got[~(close | nan)][:8].tolist())
+
+    a = rand((512, 64), dtype, scale=3.0)
+    b = rand((64, 264), dtype, scale=64 ** -0.5)
+    check(*gemm_bias_act(a, b, rand((264,), dtype), activation=act))
+    special = torch.tensor([0.0, -0.0, 1e-6, -1e-6, 0.5, -0.5, 9.0, -9.0, 60.0, -60.0, float("inf"),
+                            -float("inf"), float("nan")], device="cuda", dtype=DT[dtype])
+    zeros = torch.zeros(4, 8, device="cuda", dtype=DT[dtype])
+    check(*gemm_bias_act(zeros, rand((8, special.numel()), dtype), special, activation=act))
