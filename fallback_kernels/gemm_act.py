@@ -42,8 +42,6 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
-
 from gpu_launch import driver
 from gpu_launch.activations import ACTIVATIONS, Activation, as_activation
 from gpu_launch.buffers import BufferInfo, describe, torch_tensor_type
