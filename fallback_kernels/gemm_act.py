@@ -581,11 +581,6 @@ def _remember(key: tuple | None, prog: _Program) -> None:
         pass
 
 
-def clear_memo() -> None:
-    """Forget this thread's planned calls (tests that change what planning depends on)."""
-    _programs().clear()
-
-
 # ------------------------------------------------------------------------------------------- forward
 
 
@@ -752,6 +747,11 @@ def _check_backward(ops: _Operands, dy: Any, aux: Any, act: Activation, need: tu
         ops.check(f"d{role}", ops.add(f"d{role}", obj), shape=_grad_shape(ops, role))
 
 
+def _dbias_stride(ops: _Operands) -> int:
+    """The bias gradient's stride: the given buffer's, else 1 (the one allocated is dense)."""
+    return ops.infos["dbias"].strides[0] if "dbias" in ops.infos else 1
+
+
 def _grad_shape(ops: _Operands, role: str) -> tuple[int, ...]:
     return (ops.n,) if role == "bias" else tuple(ops.infos[role].shape)
 
@@ -769,7 +769,8 @@ def _backward_program(ops: _Operands, like: Any, act: Activation, need: tuple, a
             info = BufferInfo(0, shape, strides, ops.dtype, ops.device, ops.framework)
         else:
             info = ops.infos[name]
-        mats[role] = info if role == "bias" else ops.mat(name, info)
+        if role != "bias":
+            mats[role] = ops.mat(name, info)
     mode = _aux_kind(act.name)
     tf32 = allow_tf32 and ops.dtype == "float32"
     # grad_pre: dy itself for identity, else a contiguous scratch [rows, n]
@@ -779,7 +780,7 @@ def _backward_program(ops: _Operands, like: Any, act: Activation, need: tuple, a
     b_done = False
     if mode == AUX_NONE and "bias" in need and "b" in need and not accumulate:  # dbias from dB's epilogue
         b_done = bld.lt(mats["b"], ops.a.T.flat_cols(), g.flat_rows(), tf32=tf32, epilogue="BGRADA",
-                        bias=Loc("dbias"), bias_stride=mats["bias"].strides[0])
+                        bias=Loc("dbias"), bias_stride=_dbias_stride(ops))
     run_pass = (mode != AUX_NONE and g_loc.name == "g") or ("bias" in need and not b_done)
     fx = mats["a"].flat_rows() if "a" in need else None
     bounds = [(0, ops.rows)]
@@ -827,9 +828,8 @@ def _grad_pre_pass(bld: _Builder, act: Activation, mode: int, need: tuple, g: Ma
     if side is not None:
         side.join()
     if partial is not None:
-        ob = ops.infos.get("dbias") or BufferInfo(0, (n,), (1,), ops.dtype, ops.device, ops.framework)
         bld.kernel(f"bias_finalize<{t}>", _grid_1d(n), 256, [partial, _i32(sum(blocks)), _i32(n), Loc("dbias"),
-                                                              _i64(ob.strides[0]), _i32(int(accumulate))])
+                                                              _i64(_dbias_stride(ops)), _i32(int(accumulate))])
     return side is not None
 
 
