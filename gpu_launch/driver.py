@@ -144,15 +144,21 @@ def end_capture(stream: int) -> int:
 class GraphExec:
     """An instantiated CUDA graph; `launch(stream)` replays it. Freed with this object."""
 
-    __slots__ = ("handle", "launches", "_arg", "_launch", "__weakref__")
+    __slots__ = ("handle", "graph", "launches", "_arg", "_launch", "__weakref__")
 
-    def __init__(self, graph: int):
+    def __init__(self, graph: int, *, keep_graph: bool = False):
+        """Takes `graph`: destroyed here (the executable keeps what it needs), or with `keep_graph`
+        kept until this object goes, since updates name the nodes of the graph an executable was made
+        from; then a failed instantiation leaves `graph` to the caller."""
         cuda = lib()
         exec_ = _ptr()
+        self.graph = None
         try:
             _check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
         finally:
-            cuda.cuGraphDestroy(graph)  # the executable keeps what it needs
+            if not keep_graph:
+                cuda.cuGraphDestroy(graph)
+        self.graph = graph if keep_graph else None
         self.handle = exec_.value
         self._arg = exec_  # passed as is: no int -> pointer conversion per launch
         self._launch = _raw("cuGraphLaunch")  # no argtypes to convert through (see Kernel)
@@ -166,11 +172,14 @@ class GraphExec:
 
     def __del__(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
-        if handle:
-            try:
+        graph, self.graph = getattr(self, "graph", None), None
+        try:
+            if handle:
                 lib().cuGraphExecDestroy(handle)
-            except Exception:  # interpreter shutdown: the driver frees it with the context
-                pass
+            if graph:  # after the executable made from it
+                lib().cuGraphDestroy(graph)
+        except Exception:  # interpreter shutdown: the driver frees both with the context
+            pass
 
 
 @functools.lru_cache(maxsize=None)

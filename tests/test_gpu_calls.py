@@ -4,6 +4,7 @@ no device synchronisation, fresh data through every path (direct, captured, repl
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 
 import pytest
@@ -47,9 +48,18 @@ def _entry_points(session):
         with torch.no_grad():
             conv(x)
 
+    xs = [_rand(8, 32, 14, 14) for _ in range(3)]
+    ys = [torch.empty_like(x) for x in xs]
+    turn = itertools.count()
+
+    def rotating():  # a new pointer set each call: the re-pointed graph rewrites its arguments each time
+        i = next(turn) % len(xs)
+        cg.conv_fwd(xs[i], w, b, y=ys[i], padding=1, activation="relu", session=session)
+
     return {
         "conv_fwd": lambda: cg.conv_fwd(x, w, b, padding=1, activation="relu", session=session),
         "conv_fwd_out": lambda: cg.conv_fwd(x, w, b, y=y, padding=1, activation="relu", session=session),
+        "conv_fwd_rotating_buffers": rotating,
         "conv_bwd_data": lambda: cg.conv_bwd_data(dy, w, x_shape=x.shape, padding=1, session=session),
         "conv_bwd_data_relu": lambda: cg.conv_bwd_data(dy, w, pre_act=x, padding=1, activation_backward="relu",
                                                        session=session),
@@ -67,9 +77,10 @@ def _entry_points(session):
 
 def test_no_device_synchronisation_on_any_call_path(session):
     calls = _entry_points(session)
-    for fn in calls.values():  # first sight plans; the second captures a graph: steady state after
+    for fn in calls.values():  # first sight plans; a later one on an idle stream records: steady state after
         for _ in range(3):
             fn()
+            torch.cuda.synchronize()
     gc.collect()  # earlier tests let plans go on purpose (resident.forget): not this test's business
     torch.cuda.synchronize()
     n = 20
@@ -300,3 +311,57 @@ def test_a_warm_torch_process_loads_kernel_parts_without_cupy_nvrtc_or_the_front
     assert float(err) < ref.TOLERANCE["float16"]
     assert (int(hits), int(builds)) == (1, 0)
     assert modules == "[]", f"the warm process imported {modules}"
+
+
+def _graph_cases():
+    cl = "channels_last"
+    x, w = (4, 32, 12, 12), (32, 32, 3, 3)
+    return {
+        "fwd_bias_relu_fp16": cg.ConvFwdSpec(x, w, padding=1, dtype="float16", layout=cl, bias=True,
+                                             activation="relu"),
+        "fwd_residual_gelu_bf16": cg.ConvFwdSpec(x, w, padding=1, dtype="bfloat16", layout=cl, bias=True,
+                                                 residual=True, activation="gelu"),
+        "fwd_fp32_stride2": cg.ConvFwdSpec(x, w, padding=1, stride=2, dtype="float32", layout=cl, allow_tf32=False),
+        "dgrad_relu_fp16": cg.ConvBwdDataSpec(x, w, x, padding=1, dtype="float16", layout=cl,
+                                              activation_backward="relu"),
+        "wgrad_bias_fp16": cg.ConvBwdFilterSpec(x, x, w, padding=1, dtype="float16", layout=cl, bias_grad=True),
+        "depthwise_fp16": cg.ConvFwdSpec(x, (32, 1, 3, 3), padding=1, groups=32, dtype="float16", layout=cl),
+    }
+
+
+def _fresh(spec, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    bufs = {}
+    for role, desc in spec.tensors().items():
+        t = torch.empty_strided(desc.shape, desc.strides, dtype=getattr(torch, desc.dtype), device="cuda")
+        if role in ("y", "dx", "dw", "db"):
+            t.fill_(float("nan"))
+        else:
+            t.copy_(torch.randn(desc.shape, generator=gen, device="cuda") * 0.5)
+        bufs[role] = t
+    return bufs
+
+
+@pytest.mark.parametrize("case", list(_graph_cases()))
+def test_graph_replays_compute_what_direct_runs_compute_with_fresh_buffers_each_call(case):
+    """Every call on new buffers (outputs poisoned): the entry point's graph replays (re-pointed where
+    the plan allows: one graph for all of them) against direct runs of the same plan on copies."""
+    spec = _graph_cases()[case]
+    plan = cg.Session(allow_tf32=False).plan(spec)
+    roles = tuple(spec.tensors())
+    launcher = plan.launcher(roles, "torch")
+    for seed in range(6):
+        direct = _fresh(spec, seed)
+        entry = {role: t.clone(memory_format=torch.preserve_format) for role, t in direct.items()}
+        torch.cuda.synchronize()  # an idle stream: the second sight may record
+        plan.execute(**entry)
+        launcher.run(tuple(direct[r].data_ptr() for r in roles), torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        for role in roles:
+            assert not entry[role].isnan().any(), (case, seed, role)
+            if plan.deterministic:
+                assert torch.equal(entry[role], direct[role]), (case, seed, role)
+            else:
+                assert ref.rel_err(entry[role], direct[role].double()) < 1e-3, (case, seed, role)
+    assert launcher.replays >= 4, (case, launcher.replays)
+    print(case, "re-pointed" if launcher._patched else "per-set graphs", launcher.captures)

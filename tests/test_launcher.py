@@ -1,6 +1,6 @@
 """CPU: the launcher's policy (direct runs, capture on a pointer set's second sight, replays, a graph
-budget per launcher, nothing evicted or recorded late), with stand-ins for the plan's parts and for
-CUDA graphs."""
+budget per launcher, nothing evicted or recorded late; one re-pointable graph per stream where the
+plan's kernels allow it), with stand-ins for the plan's parts and for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -54,18 +54,45 @@ class _Graph:
         self.log.append(("replay", stream, self.ptrs))
 
 
-@pytest.fixture
-def launcher(monkeypatch):
+class _Repointable:
+    repoints = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch(self, ptrs, stream):
+        self.log.append(("repointed", stream, ptrs))
+
+
+def _stand_in(monkeypatch, *, repointable: bool) -> Launcher:
     plan = _Plan()
     lau = Launcher(plan, ("x", "y"), "torch")
 
     def capture(ptrs, stream):
         return _Graph(plan.log, tuple(ptrs))
 
+    def record_patchable(ptrs, stream):
+        if repointable:
+            return _Repointable(plan.log)
+        lau.patching = False
+        return capture(ptrs, stream)
+
     monkeypatch.setattr(lau, "capture", capture)
+    monkeypatch.setattr(lau, "_record_patchable", record_patchable)
     monkeypatch.setattr(launcher_mod.driver, "stream_idle", lambda stream: lau.idle)
     lau.idle = True
     return lau
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    """A plan whose kernels cannot be re-pointed: one graph per pointer set."""
+    return _stand_in(monkeypatch, repointable=False)
+
+
+@pytest.fixture
+def repointing(monkeypatch):
+    return _stand_in(monkeypatch, repointable=True)
 
 
 def _never(stream):
@@ -120,7 +147,9 @@ def test_a_rotation_past_the_budget_runs_directly_and_never_records_late(launche
 def test_pointer_sets_seen_once_never_cost_a_capture(launcher):
     for ptr in range(16, 16 * 200, 16):
         launcher.launch((ptr, ptr), 7, _never)
-    assert launcher.captures == 0 and launcher.capture_enabled
+    # One recording, at the stream's second aligned sight: the attempt at a re-pointable graph (which
+    # this plan refuses; its graph of that set is kept). No set seen once costs another.
+    assert launcher.captures == 1 and launcher.capture_enabled and not launcher.patching
 
 
 def test_capture_stops_for_good_once_the_budget_is_spent_and_every_graph_stays(launcher):
@@ -157,3 +186,32 @@ def test_no_recording_behind_queued_work(launcher):
     launcher.launch((16, 32), 7, _never)
     launcher.launch((16, 32), 7, _never)
     assert launcher.captures == 1 and [entry[0] for entry in launcher.plan.log[-2:]] == ["replay", "replay"]
+
+
+def test_a_repointable_graph_serves_every_aligned_pointer_set_of_its_stream(repointing):
+    sets = [(4096 * i, 4096 * i + 512) for i in range(1, 40)]
+    for ptrs in sets:  # a rotation: no set is seen twice, the second sight of the stream records
+        repointing.launch(ptrs, 7, _never)
+    log = repointing.plan.log
+    assert [entry[0] for entry in log[:2]] == ["direct", "repointed"] and repointing.captures == 1
+    assert log[1:] == [("repointed", 7, ptrs) for ptrs in sets[1:]]
+
+
+def test_repointable_graphs_are_kept_per_stream_and_skip_misaligned_sets(repointing):
+    for stream in (7, 9):
+        for ptrs in ((512, 1024), (2048, 4096), (8192, 1024)):
+            repointing.launch(ptrs, stream, _never)
+    assert repointing.captures == 2
+    repointing.plan.log.clear()
+    repointing.launch((512 + 16, 1024), 7, _never)  # a view at an offset: not the class the graph serves
+    repointing.launch((512, 1024), 9, lambda stream: True)  # the caller is capturing: direct
+    assert [entry[0] for entry in repointing.plan.log] == ["direct", "direct"]
+
+
+def test_a_plan_that_cannot_be_repointed_falls_back_to_graphs_per_pointer_set(launcher):
+    launcher.launch((512, 1024), 7, _never)
+    launcher.launch((2048, 4096), 7, _never)  # second sight of the stream: the re-pointing attempt fails
+    assert not launcher.patching and launcher.captures == 1
+    for _ in range(2):
+        launcher.launch((8192, 1024), 7, _never)
+    assert launcher.captures == 2 and launcher.plan.log[-1] == ("replay", 7, (8192, 1024))

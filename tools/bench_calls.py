@@ -137,7 +137,9 @@ def entry_points(*, rounds: int, calls: int) -> dict:
               f"(torch {r['dev_torch']:6.1f})", flush=True)
     rows["_check"] = _check_fwd(x, w, b, dy)
     rows["_launchers"] = [{"op": c.launcher.plan.spec.op, "engines": c.launcher.plan.engines,
-                           "capture_enabled": c.launcher.capture_enabled, "graphs": len(c.launcher._graphs)}
+                           "capture_enabled": c.launcher.capture_enabled, "graphs": len(c.launcher._graphs),
+                           "repointed_graphs": len(c.launcher._patched), "replays": c.launcher.replays,
+                           "patching": c.launcher.patching}
                           for c in session._calls.values()]
     print(rows["_launchers"])
     return rows
@@ -232,10 +234,11 @@ def resnet50_step(*, batch: int, rounds: int) -> dict:
     out["launchers_capturing"] = sum(la.capture_enabled for la in launchers)
     out["launchers"] = len(launchers)
     out["graphs"] = sum(len(la._graphs) for la in launchers)
+    out["repointed_graphs"] = sum(len(la._patched) for la in launchers)  # each serves every pointer set
     print(f"ResNet-50 step ({len(layers)} convs, batch {batch}): ours {out['ours']:.2f} ms, torch eager "
           f"{out['torch']:.2f} ms: {out['speedup']:.2f}x; device time alone {out['ours_device']:.2f} ms vs "
           f"{out['torch_device']:.2f} ms; {out['launchers_capturing']}/{out['launchers']} launchers capturing, "
-          f"{out['graphs']} graphs", flush=True)
+          f"{out['repointed_graphs']} re-pointed graphs, {out['graphs']} per pointer set", flush=True)
     return out
 
 

@@ -191,7 +191,7 @@ def part_model(model_name: str, batch: int, ops: bool = False) -> dict:
     counts.count(requests, "prepare_call", "memo misses (prepare_call)")
     counts.count(launcher._Prepared, "__call__", "direct runs")
     counts.count(driver.GraphExec, "launch", "graph replays")
-    counts.count(launcher.Launcher, "_graph_for", "graph captures")
+    counts.count(launcher.Launcher, "_record", "graph captures")
     counts.count(_conv, "_declined_once", "declined to torch")
     for name in ("conv_fwd", "conv_bwd_data", "conv_bwd_filter"):
         counts.count(api, name, f"api.{name}", timed=True)
