@@ -166,7 +166,7 @@ def _check_fwd(x, w, b, dy) -> dict:
             "dw": err(dw, wd.grad)}
 
 
-def resnet50_step(*, batch: int, rounds: int) -> dict:
+def resnet50_step(*, batch: int, rounds: int, policy: str | None = None) -> dict:
     torch = _torch()
     import torch.nn.functional as F
 
@@ -185,12 +185,14 @@ def resnet50_step(*, batch: int, rounds: int) -> dict:
         dy = torch.randn(batch, layer.k, out_hw, out_hw, device="cuda", dtype=torch.half).contiguous(memory_format=cl)
         layers.append((x, w, b, dy, layer.stride, layer.r // 2))
     conv_bwd = torch.ops.aten.convolution_backward
+    session = cg.Session(policy=policy) if policy else None  # None: each device's default session
 
     def ours():
-        keep = [cg.conv_fwd(x, w, b, stride=s, padding=p, activation="relu") for x, w, b, _, s, p in layers]
+        keep = [cg.conv_fwd(x, w, b, stride=s, padding=p, activation="relu", session=session)
+                for x, w, b, _, s, p in layers]
         for x, w, _, dy, s, p in reversed(layers):
-            keep.append(cg.conv_bwd_data(dy, w, x_shape=x.shape, stride=s, padding=p))
-            keep.append(cg.conv_bwd_filter(x, dy, w_shape=w.shape, stride=s, padding=p))
+            keep.append(cg.conv_bwd_data(dy, w, x_shape=x.shape, stride=s, padding=p, session=session))
+            keep.append(cg.conv_bwd_filter(x, dy, w_shape=w.shape, stride=s, padding=p, session=session))
         return keep
 
     def theirs():
@@ -230,7 +232,8 @@ def resnet50_step(*, batch: int, rounds: int) -> dict:
     out["convs"] = len(layers)
     from cudnn_graphs.plan import default_session
 
-    launchers = [c.launcher for c in default_session(0)._calls.values()]
+    launchers = [c.launcher for c in (session or default_session(0))._calls.values()]
+    out["policy"] = policy or "heuristics"
     out["launchers_capturing"] = sum(la.capture_enabled for la in launchers)
     out["launchers"] = len(launchers)
     out["graphs"] = sum(len(la._graphs) for la in launchers)
@@ -328,6 +331,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--skip-warm", action="store_true")
     p.add_argument("--skip-step", action="store_true")
+    p.add_argument("--step-policy", choices=("autotune",), default=None,
+                   help="plan the step's convs with this session policy (default: heuristics), as a job whose "
+                        "cache `warmup --autotune` filled")
     p.add_argument("--skip-entry", action="store_true")
     p.add_argument("--warm-child", nargs=2, metavar=("MODE", "CACHE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -344,7 +350,8 @@ def main(argv=None) -> int:
     if not args.skip_entry:
         result["entry_points"] = entry_points(rounds=args.rounds, calls=args.calls)
     if not args.skip_step:
-        result["resnet50_step_ms"] = resnet50_step(batch=args.batch, rounds=max(args.rounds, 10))
+        result["resnet50_step_ms"] = resnet50_step(batch=args.batch, rounds=max(args.rounds, 10),
+                                                   policy=args.step_policy)
     import cudnn_graphs as cg
 
     result["env"] = cg.default_session(0).env.to_dict()
