@@ -84,7 +84,8 @@ class PatchableGraph:
 
     `launch(ptrs, stream)` rewrites the nodes whose pointers changed since the last launch (changes
     apply to later launches only: those already queued keep their arguments) and launches. One thread
-    launches a PatchableGraph. Built from two uninstantiated graphs (see the module docstring) recorded
+    launches a PatchableGraph. Built from the real recording and MOVES moved ones, uninstantiated (see
+    the module docstring), recorded
     on device `ordinal`.
     """
 
