@@ -29,7 +29,7 @@ from . import driver
 from .errors import CudaDriverError
 
 _KERNEL, _MEMSET, _EMPTY = 0, 2, 5  # CUgraphNodeType
-_ALLOWED = {_KERNEL: "kernel", _MEMSET: "memset", _EMPTY: "empty"}
+_ALLOWED = frozenset((_KERNEL, _MEMSET, _EMPTY))
 _INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE: past the last parameter
 _LAUNCH_PARAM_END, _LAUNCH_PARAM_BUFFER_POINTER, _LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 MASK = (1 << 64) - 1
@@ -73,10 +73,6 @@ def offset(role: int, move: int) -> int:
 def destroy(graph: int) -> None:
     """Free an uninstantiated graph (a recording nobody launches)."""
     _calls().cuGraphDestroy(graph)
-
-
-def alignment_class(ptrs: Sequence[int]) -> tuple[int, ...]:
-    return tuple(p % ALIGNMENT_CLASS for p in ptrs)
 
 
 class PatchableGraph:

@@ -139,10 +139,7 @@ class Launcher:
                      self.captures)
             self.capture_enabled = False
             self._seen.clear()
-        if repoints:
-            graph.launch(ptrs, stream)
-        else:
-            graph.launch(stream)
+        graph.launch(ptrs, stream) if repoints else graph.launch(stream)
         return True
 
     def _record_patchable(self, ptrs: tuple[int, ...], stream: int):
