@@ -47,7 +47,9 @@ from gpu_launch.activations import ACTIVATIONS, Activation, as_activation
 from gpu_launch.buffers import BufferInfo, describe, torch_tensor_type
 from gpu_launch.dlpack import contiguous_strides
 from gpu_launch.errors import BufferMismatchError, SpecError
-from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer, torch_allocator
+from gpu_launch.replay import Replay
+from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
+                                torch_allocator)
 
 from . import blas, cublaslt
 from . import compile as _compile
@@ -293,28 +295,39 @@ class _Program(NamedTuple):
     scratch_bytes: int
     steps: tuple[Step, ...]
     results: tuple  # names returned, in order (None: a result that is absent)
+    inputs: tuple  # the roles of the caller's buffers: their addresses, then the outputs', then scratch's
+    replay: Replay  # the steps as one re-pointed CUDA graph once recorded
+
+    def run(self, addrs: tuple, stream: int) -> None:
+        """Queue every step on `stream`, the buffers at `addrs` (inputs, outputs, the scratch block)."""
+        ptrs = dict(zip(self.inputs + tuple([name for name, _ in self.outputs]), addrs))
+        if self.scratch_bytes:
+            base = addrs[-1]
+            for name, offset in self.scratch:
+                ptrs[name] = base + offset
+        for step in self.steps:
+            step(ptrs, stream)
 
 
 def _execute(prog: _Program, ptrs: dict, given: dict, stream: Any) -> tuple:
     """Allocate the results and scratch, queue every step on the stream; the results (given buffers for
     those the caller passed)."""
     objs = dict(given)
+    addrs = [ptrs[name] for name in prog.inputs]
     for name, alloc in prog.outputs:
         obj = objs[name] = alloc()
-        ptrs[name] = obj.data_ptr() if prog.framework == "torch" else obj.data.ptr
+        addrs.append(obj.data_ptr() if prog.framework == "torch" else obj.data.ptr)
     owner = None
     if prog.scratch_bytes:
         owner, base = allocate(prog.scratch_bytes, prog.framework, prog.device)
-        for name, offset in prog.scratch:
-            ptrs[name] = base + offset
+        addrs.append(base)
     sptr = stream_pointer(stream, prog.framework, prog.device)
+    capturing = capture_probe(prog.framework, stream)
     if driver.context_is_current(prog.device):
-        for step in prog.steps:
-            step(ptrs, sptr)
+        prog.replay(tuple(addrs), sptr, capturing)
     else:
         with driver.device(prog.device):
-            for step in prog.steps:
-                step(ptrs, sptr)
+            prog.replay(tuple(addrs), sptr, capturing)
     del owner  # stream-ordered allocators: freeing after the queued launches is safe
     return tuple(objs.get(name) if name else None for name in prog.results)
 
@@ -427,9 +440,10 @@ class _Builder:
             alloc = torch_allocator(desc, self.like.device) if ops.framework == "torch" else \
                 functools.partial(allocate_like, desc, like=self.like, framework=ops.framework, device=ops.device)
             outputs.append((name, alloc))
-        return _Program(ops.framework, ops.device, tuple(outputs),
+        prog = _Program(ops.framework, ops.device, tuple(outputs),
                         tuple((name, off) for name, (off, _) in self.scratch.items()), self.scratch_bytes,
-                        tuple(self.steps), results)
+                        tuple(self.steps), results, tuple(self.given), None)
+        return prog._replace(replay=Replay(prog.run, ordinal=ops.device, label=f"gemm_act {ops.dtype}"))
 
 
 def _lt_geometry(device: int, dtype: str, x: Mat | None, p: Mat | None, q: Mat | None, *, epilogue: str,

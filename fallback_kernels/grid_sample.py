@@ -43,14 +43,16 @@ import ctypes
 import functools
 import math
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from gpu_launch import driver
 from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
-from gpu_launch.streams import allocate, allocate_like, external_stream, stream_pointer, torch_allocator
+from gpu_launch.replay import Replay
+from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
+                                   torch_allocator)
 
 from . import compile as _compile
 
@@ -81,6 +83,8 @@ TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS 
 TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
 COUNT_KERNELS = ("gs_count", "gs_gather_exact")  # its counting form (with gs_place<A, ..>, gs_absmax<T>)
+SCAN_KERNELS = ("gs_scan_tiles", "gs_scan_sums", "gs_scan_apply")  # its offsets, in launch order
+SCAN_THREADS, SCAN_TILE = 256, 256 * 16  # GS_SCAN_THREADS, GS_SCAN_TILE in grid_sample.cu
 # (spatial dims, mode) pairs that exist: bicubic is 2-D only, as in torch
 VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) if not (nd == 3 and m == BICUBIC))
 # Knobs (tools/bench_grid_sample.py measures the alternatives). go_transpose / input_transpose: the fast
@@ -128,7 +132,7 @@ def name_expressions(dtype: str | None = None) -> list[str]:
         names += [f"gs_to_cl<{t}, {t}>", f"gs_from_cl<{t}, {t}>"]
         if a != t:
             names.append(f"gs_from_cl<{a}, {t}>")
-        names.append("gs_bounds")
+        names += ["gs_bounds", *SCAN_KERNELS]
     return list(dict.fromkeys(names))
 
 
@@ -353,6 +357,7 @@ def _at(ref: _Ref, nbytes: int) -> _Ref:
 
 class _Plan(NamedTuple):
     geo: Geometry
+    inputs: tuple  # the roles of the call's buffers, in the order their addresses come
     outputs: dict  # role -> _Desc of the results to allocate
     scratch: tuple  # (name, offset) in one scratch allocation
     scratch_bytes: int
@@ -391,7 +396,14 @@ class _Builder:
 
     def scan(self, src: _Ref, dst: _Ref, n: int) -> None:
         """dst[1 + i] = src[0] + ... + src[i] over n int64 (dst[0] is the caller's)."""
-        self.ops.append(("scan", src, int(n), dst))
+        if n == 0:
+            return
+        tiles = -(-n // SCAN_TILE)
+        sums = self.buffer(tiles * 8)
+        first, middle, last = SCAN_KERNELS
+        self.launch(first, (tiles,), (SCAN_THREADS,), (src, sums, np.int64(n)))
+        self.launch(middle, (1,), (1024,), (sums, np.int64(tiles)))
+        self.launch(last, (tiles,), (SCAN_THREADS,), (src, _at(dst, 8), sums, np.int64(n)))
 
     def transpose(self, kernel: str, src_t: str, dst_t: str, src: _Ref, dst: _Ref, n: int, c: int,
                   sp: tuple[int, int, int], strides, nd: int, amax: _Ref | None = None) -> None:
@@ -406,12 +418,12 @@ class _Builder:
         args = (src, dst, tr, amax) if kernel == "gs_to_cl" else (src, dst, tr)
         self.launch(f"{kernel}<{src_t}, {dst_t}>", grid, (32, 8), args)
 
-    def plan(self, geo: Geometry, outputs: dict) -> _Plan:
+    def plan(self, geo: Geometry, inputs: tuple, outputs: dict) -> _Plan:
         offsets, total = [], 0
         for name, nbytes in self.scratch:
             offsets.append((name, total))
             total += -(-max(nbytes, 1) // 256) * 256
-        return _Plan(geo, outputs, tuple(offsets), total, tuple(self.ops))
+        return _Plan(geo, inputs, outputs, tuple(offsets), total, tuple(self.ops))
 
 
 @functools.lru_cache(maxsize=None)
@@ -433,69 +445,87 @@ def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
                 fn.max_dynamic_shared_size_bytes = nbytes
 
 
-def _run(plan: _Plan, framework: str, device: int, ptrs: dict) -> None:
-    stream_ptr = stream_pointer(None, framework, device)
+def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
+    """Run `plan` on `ptrs` (its inputs' and outputs' addresses), with scratch of this call's own."""
+    stream = stream_pointer(None, framework, device)
     owner = None
     if plan.scratch_bytes:
         owner, base = allocate(plan.scratch_bytes, framework, device)
-        for name, offset in plan.scratch:
-            ptrs[name] = base + offset
+        ptrs += (base,)
+    prog = _program(plan, device)
     if PROFILE is not None:
-        return _run_profiled(plan, framework, device, ptrs, owner, stream_ptr)
-    for step in _program(plan, device):
-        _run_step(step, ptrs, owner, device, stream_ptr)
-    # `owner` goes back to its stream-ordered allocator here: later work on this stream may reuse it.
+        _run_profiled(plan, prog, ptrs, stream, device)
+    elif prog.replay is not None:
+        prog.replay(ptrs, stream, capture_probe(framework, None))
+    else:
+        prog.run(ptrs, stream)
+    del owner  # back to its stream-ordered allocator: later work on this stream may reuse it
 
 
-class _Step(NamedTuple):
-    """One op of a plan ready to run on this thread: a launch packed once (patch the pointers, launch),
-    or the plan's op for what is not a kernel of ours (zero, scan, sort)."""
+class _Program:
+    """A plan's ops ready to run on this thread: launches packed once (patch the pointers, launch), the
+    addresses by role index (inputs, outputs, then the scratch block). A plan of two or more ops, all our
+    launches and memsets, is also a `Replay`: one re-pointed CUDA graph once recorded."""
 
-    kernel: Any  # driver.Kernel, or None
-    patches: tuple  # (ctypes value, buffer name, byte offset): the pointers each call fills in
-    op: tuple
+    __slots__ = ("steps", "replay")
+
+    def __init__(self, plan: _Plan, device: int):
+        roles = {name: (i, 0) for i, name in enumerate(plan.inputs + tuple(plan.outputs))}
+        roles.update({name: (len(roles), offset) for name, offset in plan.scratch})
+        self.steps = tuple(_step(op, device, roles) for op in plan.ops)
+        graphable = len(plan.ops) > 1 and all(op[0] in ("launch", "zero") for op in plan.ops)
+        label = "grid_sample " + "+".join(op[5] if op[0] == "launch" else op[0] for op in plan.ops)
+        self.replay = Replay(self.run, ordinal=device, label=label) if graphable else None
+
+    def run(self, ptrs: tuple, stream: int) -> None:
+        for step in self.steps:
+            step(ptrs, stream)
 
 
 _programs = threading.local()
 
 
-def _program(plan: _Plan, device: int) -> tuple[_Step, ...]:
-    """The plan's launches packed for this thread (packing per call would cost microseconds an op)."""
+def _program(plan: _Plan, device: int) -> _Program:
+    """The plan's _Program on this thread (packing per call would cost microseconds an op)."""
     held = getattr(_programs, "held", None)
     if held is None:
         held = _programs.held = {}
     hit = held.get(id(plan))
     if hit is not None and hit[0] is plan:
         return hit[1]
-    steps = tuple(_step(op, device) for op in plan.ops)
+    prog = _Program(plan, device)
     if len(held) >= 512:  # plans evicted from their lru_cache leave stale entries: start over
         held.clear()
-    held[id(plan)] = (plan, steps)
-    return steps
+    held[id(plan)] = (plan, prog)
+    return prog
 
 
-def _step(op: tuple, device: int) -> _Step:
-    if op[0] != "launch":
-        return _Step(None, (), op)
+def _step(op: tuple, device: int, roles: dict) -> Callable[[tuple, int], None]:
+    """One op as `step(ptrs, stream)`; `roles`: buffer name -> (index in ptrs, byte offset)."""
+    if op[0] == "zero":
+        (index, base), offset, nbytes = roles[op[1].name], op[1].offset, op[2]
+        return lambda ptrs, stream: driver.memset_async(ptrs[index] + base + offset, nbytes, stream)
+    if op[0] == "sort":
+        (index, base), offset, n = roles[op[1].name], op[1].offset, op[2]
+        return lambda ptrs, stream: _sort_int64(ptrs[index] + base + offset, n, device, stream)
     _, fn, grid, block, args, _name, shared = op
     values, patches = [], []
     for a in args:
         value = _c_arg(a)
         if isinstance(a, _Ref):
-            patches.append((value, a.name, a.offset))
+            index, base = roles[a.name]
+            patches.append((value, index, base + a.offset))
         values.append(value)
     kernel = driver.Kernel(_compile.cufunction(fn, device), grid=grid, block=block, args=values, ordinal=device,
                            shared=shared)
-    return _Step(kernel, tuple(patches), op)
+    patches = tuple(patches)
 
+    def launch(ptrs: tuple, stream: int) -> None:
+        for value, index, offset in patches:
+            value.value = ptrs[index] + offset
+        kernel.launch(stream)
 
-def _run_step(step: _Step, ptrs: dict, owner: Any, device: int, stream_ptr: int) -> None:
-    if step.kernel is None:
-        _other_op(step.op, ptrs, owner, device, stream_ptr)
-        return
-    for value, name, offset in step.patches:
-        value.value = ptrs[name] + offset
-    step.kernel.launch(stream_ptr)
+    return launch
 
 
 def _c_arg(a: Any) -> Any:
@@ -512,43 +542,29 @@ def _c_arg(a: Any) -> Any:
     raise TypeError(f"kernel argument of type {type(a).__name__}")
 
 
-def _other_op(op: tuple, ptrs: dict, owner: Any, device: int, stream_ptr: int) -> None:
-    if op[0] == "zero":
-        driver.memset_async(ptrs[op[1].name] + op[1].offset, op[2], stream_ptr)
-        return
+def _sort_int64(ptr: int, n: int, device: int, stream: int) -> None:
+    """Sort n int64 keys at `ptr` in place with CuPy's thrust sort, on (and with memory of) the launch stream."""
     import cupy
 
-    with cupy.cuda.Device(device), external_stream(stream_ptr):
-        if op[0] == "scan":  # CuPy's cumsum, on the launch stream
-            _, src, n, dst = op
-            cupy.cumsum(_int64_view(ptrs[src.name] + src.offset, n, owner, device),
-                        out=_int64_view(ptrs[dst.name] + dst.offset + 8, n, owner, device))
-        else:  # sort int64 keys in place with CuPy's thrust sort, on (and with memory of) the launch stream
-            _, ref, n = op
-            _int64_view(ptrs[ref.name] + ref.offset, n, owner, device).sort()
+    with cupy.cuda.Device(device), external_stream(stream):
+        memory = cupy.cuda.UnownedMemory(ptr, n * 8, None, device_id=device)
+        cupy.ndarray((n,), dtype=np.int64, memptr=cupy.cuda.MemoryPointer(memory, 0)).sort()
 
 
-def _run_profiled(plan: _Plan, framework: str, device: int, ptrs: dict, owner: Any, stream_ptr: int) -> None:
-    """`_run` with a pair of CUDA events around each op, appended to PROFILE (tools/bench_grid_sample.py)."""
+def _run_profiled(plan: _Plan, prog: _Program, ptrs: tuple, stream: int, device: int) -> None:
+    """The plan run directly with a pair of CUDA events around each op, appended to PROFILE
+    (tools/bench_grid_sample.py)."""
     import cupy
 
-    stream = external_stream(stream_ptr)
+    cupy_stream = external_stream(stream)
     with cupy.cuda.Device(device):
-        for step in _program(plan, device):
+        for op, step in zip(plan.ops, prog.steps):
             start = cupy.cuda.Event()
-            start.record(stream)
-            _run_step(step, ptrs, owner, device, stream_ptr)
+            start.record(cupy_stream)
+            step(ptrs, stream)
             end = cupy.cuda.Event()
-            end.record(stream)
-            op = step.op
+            end.record(cupy_stream)
             PROFILE.append((op[5] if op[0] == "launch" else f"{op[0]}({op[2]})", start, end))
-
-
-def _int64_view(ptr: int, n: int, owner: Any, device: int):
-    import cupy
-
-    memory = cupy.cuda.UnownedMemory(ptr, n * 8, owner, device_id=device)
-    return cupy.ndarray((n,), dtype=np.int64, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 def _key(info) -> tuple:
@@ -579,7 +595,7 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
         threads = geo.N * geo.points * -(-geo.C // VEC)
         b.launch(f"gs_forward<{t}, {a}, {geo.nd}, {geo.mode}>", (_blocks(threads),), (BLOCK,),
                  (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"), g))
-    return b.plan(geo, {"output": out})
+    return b.plan(geo, FORWARD_INPUTS, {"output": out})
 
 
 @functools.lru_cache(maxsize=256)
@@ -611,7 +627,7 @@ def _backward_plan(device: int, go_key: tuple, inp_key: tuple, grid_key: tuple, 
         _backward_deterministic(b, geo, bufs)
     else:
         _backward_fast(b, geo, bufs)
-    return b.plan(geo, outputs)
+    return b.plan(geo, BACKWARD_INPUTS, outputs)
 
 
 class _Tensor(NamedTuple):
@@ -871,6 +887,10 @@ def _backward_sorted(b: _Builder, geo: Geometry, bufs: _Bufs) -> _Tensor:
 # ------------------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------------------
+FORWARD_INPUTS = ("input", "grid")  # the order of the addresses a call passes
+BACKWARD_INPUTS = ("grad_output", "input", "grid")
+
+
 def _tuning_key() -> tuple:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in TUNING.items()))
 
@@ -884,14 +904,14 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
     key = _memo_key((input, grid), ("forward", mode, padding_mode, align_corners))
     prep = _lookup(key)
     if prep is not None:
-        return _launch(prep, {"input": input.data_ptr(), "grid": grid.data_ptr()})["output"]
+        return _launch(prep, (input.data_ptr(), grid.data_ptr()))["output"]
     check_options(mode, padding_mode, align_corners)  # bad option names fail before any buffer is touched
     inp, gr = describe(input, "input"), describe(grid, "grid")
     framework, device = _check_same_place({"input": inp, "grid": gr})
     plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
     prep = _prepared(plan, framework, device, {"output": input})
     _remember(key, prep)
-    return _launch(prep, {"input": inp.ptr, "grid": gr.ptr})["output"]
+    return _launch(prep, (inp.ptr, gr.ptr))["output"]
 
 
 def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str = "bilinear",
@@ -907,7 +927,7 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
     key = _memo_key((grad_output, input, grid), options)
     prep = _lookup(key)
     if prep is not None:
-        ptrs = {"grad_output": grad_output.data_ptr(), "input": input.data_ptr(), "grid": grid.data_ptr()}
+        ptrs = (grad_output.data_ptr(), input.data_ptr(), grid.data_ptr())
     else:
         check_options(mode, padding_mode, align_corners)
         go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
@@ -916,7 +936,7 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
                               bool(input_requires_grad), bool(grid_requires_grad), bool(deterministic), _tuning_key())
         prep = _prepared(plan, framework, device, {"grad_input": input, "grad_grid": grid})
         _remember(key, prep)
-        ptrs = {"grad_output": go.ptr, "input": inp.ptr, "grid": gr.ptr}
+        ptrs = (go.ptr, inp.ptr, gr.ptr)
     results = _launch(prep, ptrs)
     return results.get("grad_input"), results.get("grad_grid")
 
@@ -940,12 +960,12 @@ def _prepared(plan: _Plan, framework: str, device: int, likes: dict) -> _Prepare
     return _Prepared(plan, framework, device, tuple(outputs))
 
 
-def _launch(prep: _Prepared, ptrs: dict) -> dict:
-    """Allocate the results and run the plan on `ptrs` (the inputs' addresses) and theirs."""
+def _launch(prep: _Prepared, inputs: tuple) -> dict:
+    """Allocate the results and run the plan on `inputs` (the inputs' addresses, in plan.inputs order) and
+    theirs."""
     results = {role: allocate() for role, allocate in prep.outputs}
     if prep.plan.ops:
-        ptrs.update({role: _ptr(r) for role, r in results.items()})
-        _run(prep.plan, prep.framework, prep.device, ptrs)
+        _run(prep.plan, prep.framework, prep.device, inputs + tuple([_ptr(r) for r in results.values()]))
     return results
 
 

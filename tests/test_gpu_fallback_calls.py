@@ -45,8 +45,7 @@ def _gemm_calls():
 def test_no_device_synchronisation(calls):
     fns = {"grid_sample f32": lambda: _grid_calls(torch.float32), "grid_sample f16": lambda: _grid_calls(torch.float16),
            "grid_sample f64": lambda: _grid_calls(torch.float64), "gemm_act": _gemm_calls}[calls]()
-    for fn in fns.values():  # first sight compiles and plans
-        fn()
+    for fn in fns.values():  # first sight compiles and plans; the second, behind the sleep, records a graph
         fn()
     torch.cuda.synchronize()
     n = 20
@@ -60,6 +59,15 @@ def test_no_device_synchronisation(calls):
         torch.cuda.synchronize()
         assert busy and host_s < 0.25, (f"{name}: {n} calls took {host_s:.3f} s of host time; the GPU "
                                         f"{'was still busy' if busy else 'drained: a call synchronised'}")
+    assert _graphs_held(calls) > 0, "no call recorded a graph behind the sleep: the recording went untested"
+
+
+def _graphs_held(calls: str) -> int:
+    if calls == "gemm_act":
+        from fallback_kernels import gemm_act
+
+        return sum(len(p.replay.graphs) for p in gemm_act._programs().values())
+    return sum(len(p.replay.graphs) for _, p in gs._programs.held.values() if p.replay is not None)
 
 
 def test_repeated_grid_sample_calls_compute_fresh_data_and_tell_offsets_apart():
@@ -82,14 +90,27 @@ def test_repeated_grid_sample_calls_compute_fresh_data_and_tell_offsets_apart():
             assert err < 1e-5, (offset, err)
 
 
+def _check_gemm_call(a, b, bias, dy, act: str, *, tol: float, tag) -> tuple:
+    """gemm_bias_act and its backward on these operands against float64 autograd; returns the results."""
+    F = torch.nn.functional
+    fn = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+          "identity": lambda t: t}[act]
+    y, aux = gemm_bias_act(a, b, bias, activation=act)
+    da, db, dbias = gemm_bias_act_backward(dy, a, b, aux, activation=act)
+    a64, b64, bias64 = (t.detach().double().requires_grad_(True) for t in (a, b, bias))
+    want = fn(torch.addmm(bias64, a64, b64))
+    want.backward(dy.double())
+    for name, got, ref in (("y", y, want), ("da", da, a64.grad), ("db", db, b64.grad), ("dbias", dbias, bias64.grad)):
+        err = float((got.double() - ref).norm() / ref.norm())
+        assert err < tol, (act, tag, name, err)
+    return y, aux, da, db, dbias
+
+
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "identity"])
 def test_repeated_gemm_calls_compute_fresh_data_and_tell_offsets_apart(act):
     """gemm_bias_act's second call of a geometry runs the kept program: it must read this call's data and
     write fresh results, and operands at another address modulo 256 (vector widths and cuBLASLt's
     alignment classes depend on it) must get their own program."""
-    F = torch.nn.functional
-    fn = {"relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-          "identity": lambda t: t}[act]
     m, k, n = 96, 64, 48
     base_a = torch.empty(m * k + 8, device="cuda", dtype=torch.float16)
     base_bias = torch.empty(n + 8, device="cuda", dtype=torch.float16)
@@ -98,11 +119,78 @@ def test_repeated_gemm_calls_compute_fresh_data_and_tell_offsets_apart(act):
         bias = base_bias[offset:offset + n].normal_()
         b = torch.randn(n, k, device="cuda", dtype=torch.float16).t() * k ** -0.5  # nn.Linear's weight.T
         dy = torch.randn(m, n, device="cuda", dtype=torch.float16)
-        y, aux = gemm_bias_act(a, b, bias, activation=act)
-        da, db, dbias = gemm_bias_act_backward(dy, a, b, aux, activation=act)
-        a64, b64, bias64 = (t.detach().double().requires_grad_(True) for t in (a, b, bias))
-        want = fn(torch.addmm(bias64, a64, b64))
-        want.backward(dy.double())
-        for name, got, ref in (("y", y, want), ("da", da, a64.grad), ("db", db, b64.grad), ("dbias", dbias, bias64.grad)):
-            err = float((got.double() - ref).norm() / ref.norm())
-            assert err < 3e-3, (act, offset, name, err)
+        _check_gemm_call(a, b, bias, dy, act, tol=3e-3, tag=offset)
+
+
+def _rel(got, ref) -> float:
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _replays() -> int:
+    """Graph launches of every grid_sample program of this thread."""
+    held = getattr(gs._programs, "held", {})
+    return sum(prog.replay.replays for _, prog in held.values() if prog.replay is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_grid_sample_backward_graph_replays_read_and_write_each_calls_buffers(dtype, deterministic, layout):
+    """From the second call a multi-launch backward is one re-pointed CUDA graph: every call brings fresh
+    inputs and fresh outputs (some kept alive, so addresses move), and each result must match a float64
+    reference of that call's data; deterministic results must also repeat bit for bit."""
+    F = torch.nn.functional
+    tol = {torch.float32: 5e-5, torch.float16: 4e-3}[dtype]
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    before, kept = _replays(), []
+    for i in range(6):
+        inp = torch.randn(2, 8, 12, 12, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
+        grid = (torch.rand(2, 10, 10, 2, device="cuda", dtype=torch.float64) * 2.2 - 1.1).to(dtype)
+        go = torch.randn(2, 8, 10, 10, device="cuda", dtype=dtype)
+        gi, gg = gs.grid_sample_backward(go, inp, grid, deterministic=deterministic)
+        if deterministic:
+            again = gs.grid_sample_backward(go, inp, grid, deterministic=True)
+            assert torch.equal(gi, again[0]) and torch.equal(gg, again[1])
+        x64, g64 = inp.double().requires_grad_(True), grid.double().requires_grad_(True)
+        F.grid_sample(x64, g64, align_corners=False).backward(go.double())
+        assert _rel(gi, x64.grad) < tol and _rel(gg, g64.grad) < tol, (i, _rel(gi, x64.grad), _rel(gg, g64.grad))
+        if i % 2:
+            kept.append((gi, gg))
+    assert _replays() > before, "no call replayed a graph: this test would not test graphs"
+
+
+def test_deterministic_scan_over_many_tiles():
+    """The counting sort's offsets come from our three-kernel int64 scan: 4.4 million destination pixels
+    span more tiles than one block of the middle kernel covers in one round."""
+    F = torch.nn.functional
+    inp = torch.randn(1, 2, 2100, 2100, device="cuda")
+    grid = torch.rand(1, 48, 48, 2, device="cuda") * 2.2 - 1.1
+    go = torch.randn(1, 2, 48, 48, device="cuda")
+    gi, gg = gs.grid_sample_backward(go, inp, grid, deterministic=True)
+    assert 1 * 2100 * 2100 > 1024 * gs.SCAN_TILE
+    assert torch.equal(gi, gs.grid_sample_backward(go, inp, grid, deterministic=True)[0])
+    x64, g64 = inp.double().requires_grad_(True), grid.double().requires_grad_(True)
+    F.grid_sample(x64, g64, align_corners=False).backward(go.double())
+    # float32 coordinates on a 2100-pixel axis are off by ~1e-4 pixel (torch's kernel alike: measured 7e-5
+    # here); a wrong offset would put contributions on other pixels, an error of order 1.
+    assert _rel(gi, x64.grad) < 5e-4 and _rel(gg, g64.grad) < 5e-4, (_rel(gi, x64.grad), _rel(gg, g64.grad))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh"])
+def test_gemm_graph_replays_read_and_write_each_calls_buffers(act):
+    """gemm_bias_act and its backward replay one re-pointed graph from the second call: fresh operands
+    and fresh results every call (some kept alive), each against a float64 reference."""
+    from fallback_kernels import gemm_act
+
+    m, k, n = 256, 128, 192
+    kept = []
+    for i in range(6):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5).t()
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        results = _check_gemm_call(a, b, bias, dy, act, tol=2e-2, tag=i)
+        if i % 2:
+            kept.append(results)
+    programs = gemm_act._programs().values()
+    assert sum(p.replay.replays for p in programs) > 0, "no call replayed a graph: this test would not test graphs"

@@ -60,9 +60,13 @@ def _device_ms(fn, calls=20, rounds=5) -> float:
 
 
 def _measure(fns: dict) -> dict:
-    for fn in fns.values():
+    import torch
+
+    for fn in fns.values():  # as a loop's first iterations: plans, then a call on an idle stream records its graph
         fn()
+        torch.cuda.synchronize()
         fn()
+        torch.cuda.synchronize()
     return {name: {"host_us": round(host_us(fn, calls=40), 2), "latency_ms": _latency_ms(fn), "device_ms": _device_ms(fn)}
             for name, fn in fns.items()}
 

@@ -5,9 +5,6 @@
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
 from pathlib import Path
 
@@ -34,14 +31,14 @@ def main() -> int:
              "gemm_bias_act fp16 relu": lambda: gemm_bias_act(a, b, bias, activation="relu"),
              "gemm_bias_act fp16 gelu_tanh": lambda: gemm_bias_act(a, b, bias, activation="gelu_tanh"),
              "gemm_bias_act_backward fp16 relu": lambda: gemm_bias_act_backward(dy, a, b, mask, activation="relu")}
-    from probe_call_path import host_us
+    from probe_call_path import host_us, profile_calls
 
     from gpu_launch import driver
     from gpu_launch.streams import stream_pointer
 
     gs.grid_sample(x, grid)
     prep = next(iter(gs._memo.values()))
-    step = gs._program(prep.plan, 0)[0]
+    step = gs._program(prep.plan, 0).steps[0]
     stream = stream_pointer(None, "torch", 0)
     ctx = driver.device(0)
 
@@ -50,15 +47,15 @@ def main() -> int:
             pass
 
     out = prep.outputs[0][1]()
-    ptrs = {"input": x.data_ptr(), "grid": grid.data_ptr(), "output": out.data_ptr()}
+    ptrs = (x.data_ptr(), grid.data_ptr(), out.data_ptr())
     key = gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))
     pieces = {
         "grid_sample f16 (whole call)": cases["grid_sample f16"],
         "memo key": lambda: gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False)),
         "memo lookup": lambda: gs._lookup(key),
         "allocate the output": prep.outputs[0][1],
-        "_run (patch + launch)": lambda: gs._run(prep.plan, "torch", 0, dict(ptrs)),
-        "Kernel.launch": lambda: step.kernel.launch(stream),
+        "_run (patch + launch)": lambda: gs._run(prep.plan, "torch", 0, ptrs),
+        "step (patch + Kernel.launch)": lambda: step(ptrs, stream),
         "driver.device enter+exit": enter_exit,
         "stream_pointer": lambda: stream_pointer(None, "torch", 0),
         "driver.context_is_current": lambda: driver.context_is_current(0),
@@ -101,19 +98,7 @@ def main() -> int:
     pieces["gemm_bias_act_backward fp16 gelu"] = lambda: gemm_bias_act_backward(dy, a, b, dy, activation="gelu")
     for name, fn in pieces.items():
         print(f"{name:40s} {host_us(fn):8.2f} us", flush=True)
-    for name, fn in cases.items():
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(1e9))
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(200):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-        print(f"== {name}, 200 calls\n" + text.getvalue()[-4000:], flush=True)
+    profile_calls(cases)
     return 0
 
 

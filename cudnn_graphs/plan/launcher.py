@@ -30,6 +30,7 @@ import threading
 from typing import Callable, Sequence
 
 from gpu_launch import driver, graph_patch
+from gpu_launch.replay import capture_stream, nothing_queued, record
 
 from ..errors import CudaDriverError, GraphCaptureError
 
@@ -105,7 +106,7 @@ class Launcher:
             graph.launch(stream)
             return
         if graph is None and self.capture_enabled and self._due(key) and not capturing(stream) \
-                and _nothing_queued(stream) and self._record(key, ptrs, stream):
+                and nothing_queued(stream) and self._record(key, ptrs, stream):
             return
         self.prepared(stream)(ptrs)
         if graph is None and self.capture_enabled:
@@ -165,30 +166,17 @@ class Launcher:
         return _instantiate(self._record_raw(ptrs, stream), self.plan)
 
     def _record_raw(self, ptrs: Sequence[int], stream: int) -> int:
-        """One run with these pointers recorded (not instantiated, nothing runs).
-
-        Capture happens on a private side stream (the legacy default stream cannot be captured);
-        nothing runs while capturing, so no ordering with `stream` is needed.
-        """
-        side = _side_stream(self.plan.device)
+        """One run with these pointers recorded (not instantiated, nothing runs), on this thread's capture
+        stream; nothing runs while capturing, so no ordering with `stream` is needed."""
+        side = capture_stream(self.plan.device)
         prep = _Prepared(self.plan, self._slots, self.framework, side, scratch_of=stream,
                          workspace_ptr=self.workspace_ptr)
-        error: BaseException | None = None
-        graph = None
-        driver.begin_capture(side)
         try:
-            prep(ptrs)
-        except Exception as err:  # an engine refused to run under capture
-            error = err
+            return record(lambda _side: prep(ptrs), self.plan.device)
+        except Exception as err:  # an engine refused to run under capture, or the capture was invalidated
+            raise GraphCaptureError(self.plan.spec, self.plan.engines, err) from err
         finally:
-            try:
-                graph = driver.end_capture(side)
-            except CudaDriverError as err:  # an invalidated capture only reports here
-                error = error or err
             self.plan.handles.on_stream(stream)
-        if error is not None or not graph:
-            raise GraphCaptureError(self.plan.spec, self.plan.engines, error)
-        return graph
 
 
 def _instantiate(graph: int, plan) -> driver.GraphExec:
@@ -204,24 +192,3 @@ def _low_bits(ptrs: Sequence[int]) -> int:
     for p in ptrs:
         bits |= p
     return bits & (graph_patch.ALIGNMENT_CLASS - 1)
-
-
-def _nothing_queued(stream: int) -> bool:
-    """Recording behind queued work waits for it (see above): `stream` and the legacy default stream,
-    which blocking streams' work runs behind, must both be idle (cuStreamQuery never waits)."""
-    return driver.stream_idle(stream) and (stream == 0 or driver.stream_idle(0))
-
-
-_sides = threading.local()
-
-
-def _side_stream(device: int) -> int:
-    """This thread's capture stream on `device`: two threads never capture into one stream."""
-    streams = getattr(_sides, "streams", None)
-    if streams is None:
-        streams = _sides.streams = {}
-    stream = streams.get(device)
-    if stream is None:
-        with driver.device(device):
-            stream = streams[device] = driver.new_stream()
-    return stream

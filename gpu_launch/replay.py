@@ -1,0 +1,127 @@
+"""A fixed sequence of launches replayed as one CUDA graph, re-pointed per call (the fallback kernels' calls).
+
+A fallback call queues a few launches (our kernels, memsets, cuBLASLt / cuBLAS GEMMs): each costs the
+host 3-8 us, where one graph launch costs 2-3 us plus ~0.6 us per node whose pointers changed.
+`Replay(run, ordinal=)` runs `run(ptrs, stream)` directly at first; the second call on a stream records
+it with the real pointers and with moved ones (`graph_patch`, 1-2 ms once), and from then on launches one
+`PatchableGraph` per (thread, stream), its pointer arguments rewritten when the call's pointers differ.
+A sequence that cannot be captured or re-pointed stays direct, said once in the log.
+
+Unlike cuDNN plans (`cudnn_graphs.plan.launcher`, whose capture behind queued work held the host until
+the work drained), these recordings do not wait for the GPU: with a 1 s sleep queued, recording a
+grid_sample backward took 1-2 ms of host time and the GPU was still busy after
+(`tools/probe_grid_sample_host.py`; `tests/test_gpu_fallback_calls.py` records behind a queued sleep), so
+a training loop that never lets its stream idle still gets its graphs. While the caller's stream is
+being captured (`torch.cuda.graph`), calls run directly and their launches land in the caller's graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+from . import driver, graph_patch
+from .errors import CudaDriverError
+
+log = logging.getLogger("cudnn_graphs")
+
+
+class Replay:
+    """`run(ptrs, stream)` (a fixed sequence of launches on device `ordinal`), replayed as a graph once recorded.
+
+    `ptrs` is a tuple of addresses in a fixed role order; every pointer set given to one Replay must have
+    the same addresses modulo 256 as the first (callers key their programs on that), since a recording
+    may depend on alignment. `label` names the sequence in the log.
+    """
+
+    __slots__ = ("run", "ordinal", "label", "graphs", "enabled", "replays", "_seen", "_lock")
+
+    def __init__(self, run: Callable[[Sequence[int], int], None], *, ordinal: int, label: str):
+        self.run, self.ordinal, self.label = run, ordinal, label
+        self.graphs: dict[tuple[int, int], graph_patch.PatchableGraph] = {}  # by (thread, stream)
+        self.enabled = True  # until a recording fails
+        self.replays = 0
+        self._seen: set[tuple[int, int]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, ptrs: tuple[int, ...], stream: int, capturing: Callable[[int], bool]) -> None:
+        key = (threading.get_ident(), stream)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            if not capturing(stream):
+                self.replays += 1
+                graph.launch(ptrs, stream)
+                return
+        elif key in self._seen:
+            if self.enabled and not capturing(stream):
+                graph = self._record(key, ptrs, stream)
+                if graph is not None:
+                    graph.launch(ptrs, stream)
+                    return
+        else:
+            self._seen.add(key)
+        self.run(ptrs, stream)
+
+    def _record(self, key: tuple[int, int], ptrs: tuple[int, ...], stream: int):
+        recordings: list[int] = []
+        try:
+            with driver.device(self.ordinal):
+                for move in range(-1, graph_patch.MOVES):
+                    moved = ptrs if move < 0 else graph_patch.moved_pointers(ptrs, move)
+                    recordings.append(record(lambda side: self.run(moved, side), self.ordinal))
+            graph = graph_patch.PatchableGraph(recordings[0], recordings[1:], ptrs, ordinal=self.ordinal)
+        except Exception as err:  # noqa: BLE001 - a refusal (PatchError, a library that cannot be captured)
+            for graph_ in recordings[:1] if len(recordings) == graph_patch.MOVES + 1 else recordings:
+                graph_patch.destroy(graph_)
+            log.info("%s: calls stay direct (%s)", self.label, getattr(err, "reason", err))
+            self.enabled = False
+            return None
+        with self._lock:
+            self.graphs[key] = graph
+        return graph
+
+
+def record(run: Callable[[int], None], ordinal: int) -> int:
+    """`run(stream)` recorded on this thread's capture stream of device `ordinal`: an uninstantiated graph
+    (nothing runs). Raises what `run` raised, or CudaDriverError when the capture was invalidated."""
+    side = capture_stream(ordinal)
+    error: BaseException | None = None
+    graph = 0
+    driver.begin_capture(side)
+    try:
+        run(side)
+    except Exception as err:  # noqa: BLE001 - re-raised below, after the capture is ended
+        error = err
+    finally:
+        try:
+            graph = driver.end_capture(side)
+        except CudaDriverError as err:  # an invalidated capture only reports here
+            error = error or err
+    if error is not None or not graph:
+        if graph:
+            graph_patch.destroy(graph)
+        raise error if error is not None else CudaDriverError("cuStreamEndCapture", -1, "an empty capture")
+    return graph
+
+
+def nothing_queued(stream: int) -> bool:
+    """`stream` and the legacy default stream (which blocking streams' work runs behind) are both idle
+    (cuStreamQuery never waits): a recording now cannot wait for queued work."""
+    return driver.stream_idle(stream) and (stream == 0 or driver.stream_idle(0))
+
+
+_sides = threading.local()
+
+
+def capture_stream(ordinal: int) -> int:
+    """This thread's capture stream on device `ordinal` (the legacy default stream cannot be captured, and
+    two threads never capture into one stream)."""
+    streams = getattr(_sides, "streams", None)
+    if streams is None:
+        streams = _sides.streams = {}
+    stream = streams.get(ordinal)
+    if stream is None:
+        with driver.device(ordinal):
+            stream = streams[ordinal] = driver.new_stream()
+    return stream

@@ -1,0 +1,82 @@
+"""CPU: the policy of gpu_launch.replay.Replay (when a fallback call records its graph, replays it, or runs
+directly), with stand-ins for the driver's capture and the re-pointed graph; tests/test_gpu_fallback_calls.py
+runs the real ones against float64 references."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from gpu_launch import graph_patch, replay
+
+
+class _Graph:
+    def __init__(self, log):
+        self.log = log
+
+    def launch(self, ptrs, stream):
+        self.log.append(("graph", stream, ptrs))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    log, state = [], {"idle": True, "refuse": False, "recordings": 0}
+
+    def record(run, ordinal):
+        if state["refuse"]:
+            raise graph_patch.PatchError("a stand-in refusal")
+        state["recordings"] += 1
+        return state["recordings"]
+
+    monkeypatch.setattr(replay, "record", record)
+    monkeypatch.setattr(replay.graph_patch, "PatchableGraph", lambda graph, moved, ptrs, ordinal: _Graph(log))
+    monkeypatch.setattr(replay.graph_patch, "destroy", lambda graph: log.append(("destroyed", graph)))
+    monkeypatch.setattr(replay.driver, "device", lambda ordinal: contextlib.nullcontext())
+    monkeypatch.setattr(replay.driver, "stream_idle", lambda stream: state["idle"])
+    rep = replay.Replay(lambda ptrs, stream: log.append(("direct", stream, ptrs)), ordinal=0, label="test")
+    return rep, log, state
+
+
+def _never(stream):
+    return False
+
+
+def test_first_call_direct_then_one_recording_serves_every_pointer_set(stand_in):
+    rep, log, state = stand_in
+    for ptrs in ((256, 512), (256, 512), (1024, 512), (2048, 4096)):
+        rep(ptrs, 7, _never)
+    assert log == [("direct", 7, (256, 512)), ("graph", 7, (256, 512)), ("graph", 7, (1024, 512)),
+                   ("graph", 7, (2048, 4096))]
+    assert state["recordings"] == 1 + graph_patch.MOVES and rep.replays == 2
+
+
+def test_a_busy_stream_still_records_at_the_second_call(stand_in):
+    rep, log, state = stand_in
+    state["idle"] = False  # our own launches record without waiting for queued work
+    for _ in range(3):
+        rep((256,), 7, _never)
+    assert [entry[0] for entry in log] == ["direct", "graph", "graph"]
+
+
+def test_capturing_caller_gets_direct_runs_that_land_in_its_graph(stand_in):
+    rep, log, _ = stand_in
+    rep((256,), 7, _never)
+    rep((256,), 7, _never)
+    rep((256,), 7, lambda stream: True)
+    assert [entry[0] for entry in log] == ["direct", "graph", "direct"]
+
+
+def test_each_stream_records_its_own_graph(stand_in):
+    rep, log, _ = stand_in
+    for stream in (7, 8, 7, 8):
+        rep((256,), stream, _never)
+    assert [entry[:2] for entry in log] == [("direct", 7), ("direct", 8), ("graph", 7), ("graph", 8)]
+
+
+def test_a_refused_recording_keeps_the_calls_direct_for_good(stand_in):
+    rep, log, state = stand_in
+    state["refuse"] = True
+    for _ in range(4):
+        rep((256,), 7, _never)
+    assert [entry[0] for entry in log] == ["direct"] * 4 and not rep.enabled and not rep.graphs
