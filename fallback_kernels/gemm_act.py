@@ -49,7 +49,7 @@ from gpu_launch.dlpack import contiguous_strides
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.replay import Replay
 from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
-                                torch_allocator)
+                                stream_scratch, torch_allocator)
 
 from . import blas, cublaslt
 from . import compile as _compile
@@ -317,12 +317,14 @@ def _execute(prog: _Program, ptrs: dict, given: dict, stream: Any) -> tuple:
     for name, alloc in prog.outputs:
         obj = objs[name] = alloc()
         addrs.append(obj.data_ptr() if prog.framework == "torch" else obj.data.ptr)
+    sptr = stream_pointer(stream, prog.framework, prog.device)
+    capturing = capture_probe(prog.framework, stream)(sptr)
     owner = None
-    if prog.scratch_bytes:
+    if prog.scratch_bytes and capturing:
         owner, base = allocate(prog.scratch_bytes, prog.framework, prog.device)
         addrs.append(base)
-    sptr = stream_pointer(stream, prog.framework, prog.device)
-    capturing = capture_probe(prog.framework, stream)
+    elif prog.scratch_bytes:
+        addrs.append(stream_scratch(prog.scratch_bytes, prog.framework, prog.device, sptr))
     if driver.context_is_current(prog.device):
         prog.replay(tuple(addrs), sptr, capturing)
     else:

@@ -52,7 +52,7 @@ from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.replay import Replay
 from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
-                                   torch_allocator)
+                                   stream_scratch, torch_allocator)
 
 from . import compile as _compile
 
@@ -448,15 +448,18 @@ def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
 def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
     """Run `plan` on `ptrs` (its inputs' and outputs' addresses), with scratch of this call's own."""
     stream = stream_pointer(None, framework, device)
+    capturing = capture_probe(framework, None)(stream)
     owner = None
-    if plan.scratch_bytes:
+    if plan.scratch_bytes and capturing:
         owner, base = allocate(plan.scratch_bytes, framework, device)
         ptrs += (base,)
+    elif plan.scratch_bytes:
+        ptrs += (stream_scratch(plan.scratch_bytes, framework, device, stream),)
     prog = _program(plan, device)
     if PROFILE is not None:
         _run_profiled(plan, prog, ptrs, stream, device)
     elif prog.replay is not None:
-        prog.replay(ptrs, stream, capture_probe(framework, None))
+        prog.replay(ptrs, stream, capturing)
     else:
         prog.run(ptrs, stream)
     del owner  # back to its stream-ordered allocator: later work on this stream may reuse it

@@ -45,16 +45,17 @@ class Replay:
         self._seen: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
-    def __call__(self, ptrs: tuple[int, ...], stream: int, capturing: Callable[[int], bool]) -> None:
+    def __call__(self, ptrs: tuple[int, ...], stream: int, capturing: bool) -> None:
+        """Run on `stream`; `capturing`: the caller's stream is being captured now (run directly then)."""
         key = (threading.get_ident(), stream)
         graph = self.graphs.get(key)
         if graph is not None:
-            if not capturing(stream):
+            if not capturing:
                 self.replays += 1
                 graph.launch(ptrs, stream)
                 return
         elif key in self._seen:
-            if self.enabled and not capturing(stream):
+            if self.enabled and not capturing:
                 graph = self._record(key, ptrs, stream)
                 if graph is not None:
                     graph.launch(ptrs, stream)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -45,6 +46,33 @@ def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
     return owner, owner.ptr
 
 
+_scratch = threading.local()  # .blocks: (framework, device, stream) -> (owner, bytes, pointer)
+
+
+def stream_scratch(nbytes: int, framework: str, device: int, stream: int) -> int:
+    """The address of a scratch block of at least `nbytes` for work queued on `stream`, kept for later
+    calls (one allocation a call cost 5-6 us of host time on an H100 host). Work on one stream runs in
+    stream order, so every call on it can share one block, grown to the largest asked for; a block left
+    for a larger one goes back to its stream-ordered allocator (safe behind queued work). Per thread.
+    Never while the stream is being captured: a captured graph would keep the address of a block this
+    may later give back (allocate() serves capture from the capturing framework's pool)."""
+    blocks = getattr(_scratch, "blocks", None)
+    if blocks is None:
+        blocks = _scratch.blocks = {}
+    key = (framework, device, stream)
+    held = blocks.get(key)
+    if held is None or held[1] < nbytes:
+        nbytes = max(nbytes, held[1] * 2 if held else 0)
+        owner, ptr = allocate(nbytes, framework, device)
+        held = blocks[key] = (owner, nbytes, ptr)
+    return held[2]
+
+
+def release_scratch() -> None:
+    """Give this thread's scratch blocks back to their allocators (the next call allocates again)."""
+    _scratch.blocks = {}
+
+
 def allocate_like(desc, *, like: Any, framework: str, device: int) -> Any:
     """A new, uninitialised tensor for `desc` in the framework of `like` (CuPy for non-torch buffers)."""
     if framework == "torch":
@@ -62,8 +90,10 @@ def allocate_like(desc, *, like: Any, framework: str, device: int) -> Any:
 def torch_allocator(desc, device: Any) -> Callable[[], Any]:
     """A no-argument call returning a new uninitialised torch tensor for `desc` on `device`."""
     torch = sys.modules["torch"]
-    return functools.partial(torch.empty_strided, desc.shape, desc.strides, dtype=getattr(torch, desc.dtype),
-                             device=device)
+    # A method of an empty template (which holds no memory) takes dtype and device from it: 3.0 us a
+    # call against 5.4 for torch.empty_strided with keyword arguments (H100 host).
+    template = torch.empty(0, dtype=getattr(torch, desc.dtype), device=device)
+    return functools.partial(template.new_empty_strided, tuple(desc.shape), tuple(desc.strides))
 
 
 def _cupy_dtype(name: str):

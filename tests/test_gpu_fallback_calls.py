@@ -194,3 +194,67 @@ def test_gemm_graph_replays_read_and_write_each_calls_buffers(act):
             kept.append(results)
     programs = gemm_act._programs().values()
     assert sum(p.replay.replays for p in programs) > 0, "no call replayed a graph: this test would not test graphs"
+
+
+def test_scratch_is_one_block_per_stream_grown_to_the_largest_asked():
+    from gpu_launch.streams import release_scratch, stream_scratch
+
+    release_scratch()
+    main, side = torch.cuda.current_stream().cuda_stream, torch.cuda.Stream().cuda_stream
+    first = stream_scratch(1 << 20, "torch", 0, main)
+    assert stream_scratch(1 << 10, "torch", 0, main) == first  # a smaller ask: the same block
+    assert stream_scratch(1 << 20, "torch", 0, side) != first  # another stream: its own block
+    grown = stream_scratch(3 << 20, "torch", 0, main)
+    assert stream_scratch(1 << 20, "torch", 0, main) == grown
+    release_scratch()
+
+
+def test_calls_inside_torch_cuda_graph_capture_replay_with_new_data():
+    """Under torch.cuda.graph capture the fallback calls run directly into the caller's graph, with scratch
+    from the graph's pool (not the shared per-stream block, which a later, larger eager call replaces):
+    each replay on fresh data in the same tensors must match float64 references."""
+    F = torch.nn.functional
+    inp, go = torch.empty(2, 8, 12, 12, device="cuda"), torch.empty(2, 8, 10, 10, device="cuda")
+    grid = torch.empty(2, 10, 10, 2, device="cuda")
+    a, dy = (torch.empty(256, 128, device="cuda", dtype=torch.bfloat16),
+             torch.empty(256, 192, device="cuda", dtype=torch.bfloat16))
+    b, bias = torch.empty(128, 192, device="cuda", dtype=torch.bfloat16), torch.empty(192, device="cuda",
+                                                                                       dtype=torch.bfloat16)
+
+    def refill():
+        for t in (inp, go, a, dy, bias):
+            t.normal_()
+        grid.uniform_(-1.1, 1.1)
+        b.normal_().mul_(128 ** -0.5)
+
+    def step():
+        gi, gg = gs.grid_sample_backward(go, inp, grid, deterministic=True)
+        y, aux = gemm_bias_act(a, b, bias, activation="gelu")
+        return (gi, gg, y) + gemm_bias_act_backward(dy, a, b, aux, activation="gelu")
+
+    refill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # plans, then our own graphs on this stream
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    big = torch.randn(4, 16, 40, 40, device="cuda")  # a larger eager call grows the shared scratch blocks
+    gs.grid_sample_backward(torch.randn(4, 16, 30, 30, device="cuda"), big,
+                            torch.rand(4, 30, 30, 2, device="cuda") * 2 - 1, deterministic=True)
+    for _ in range(2):
+        refill()
+        graph.replay()
+        torch.cuda.synchronize()
+        x64, g64 = inp.double().requires_grad_(True), grid.double().requires_grad_(True)
+        F.grid_sample(x64, g64, align_corners=False).backward(go.double())
+        a64, b64, bias64 = (t.double().requires_grad_(True) for t in (a, b, bias))
+        want = F.gelu(torch.addmm(bias64, a64, b64))
+        want.backward(dy.double())
+        refs = (x64.grad, g64.grad, want, a64.grad, b64.grad, bias64.grad)
+        for name, got, ref, tol in zip(("gi", "gg", "y", "da", "db", "dbias"), outs, refs,
+                                       (5e-5, 5e-5, 2e-2, 2e-2, 2e-2, 2e-2)):
+            assert _rel(got, ref) < tol, (name, _rel(got, ref))

@@ -38,14 +38,10 @@ def stand_in(monkeypatch):
     return rep, log, state
 
 
-def _never(stream):
-    return False
-
-
 def test_first_call_direct_then_one_recording_serves_every_pointer_set(stand_in):
     rep, log, state = stand_in
     for ptrs in ((256, 512), (256, 512), (1024, 512), (2048, 4096)):
-        rep(ptrs, 7, _never)
+        rep(ptrs, 7, False)
     assert log == [("direct", 7, (256, 512)), ("graph", 7, (256, 512)), ("graph", 7, (1024, 512)),
                    ("graph", 7, (2048, 4096))]
     assert state["recordings"] == 1 + graph_patch.MOVES and rep.replays == 2
@@ -55,22 +51,22 @@ def test_a_busy_stream_still_records_at_the_second_call(stand_in):
     rep, log, state = stand_in
     state["idle"] = False  # our own launches record without waiting for queued work
     for _ in range(3):
-        rep((256,), 7, _never)
+        rep((256,), 7, False)
     assert [entry[0] for entry in log] == ["direct", "graph", "graph"]
 
 
 def test_capturing_caller_gets_direct_runs_that_land_in_its_graph(stand_in):
     rep, log, _ = stand_in
-    rep((256,), 7, _never)
-    rep((256,), 7, _never)
-    rep((256,), 7, lambda stream: True)
+    rep((256,), 7, False)
+    rep((256,), 7, False)
+    rep((256,), 7, True)
     assert [entry[0] for entry in log] == ["direct", "graph", "direct"]
 
 
 def test_each_stream_records_its_own_graph(stand_in):
     rep, log, _ = stand_in
     for stream in (7, 8, 7, 8):
-        rep((256,), stream, _never)
+        rep((256,), stream, False)
     assert [entry[:2] for entry in log] == [("direct", 7), ("direct", 8), ("graph", 7), ("graph", 8)]
 
 
@@ -78,5 +74,5 @@ def test_a_refused_recording_keeps_the_calls_direct_for_good(stand_in):
     rep, log, state = stand_in
     state["refuse"] = True
     for _ in range(4):
-        rep((256,), 7, _never)
+        rep((256,), 7, False)
     assert [entry[0] for entry in log] == ["direct"] * 4 and not rep.enabled and not rep.graphs

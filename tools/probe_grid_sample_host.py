@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
@@ -38,7 +40,9 @@ def main() -> int:
         fn()  # a second call on an idle stream records the graph where the plan has one
         prep = list(gs._memo.values())[-1]
         ops = [op[5] if op[0] == "launch" else f"{op[0]}({op[2]})" for op in prep.plan.ops]
-        print(f"{name:24s} {host_us(fn):8.2f} us  scratch {prep.plan.scratch_bytes} B  ops {ops}", flush=True)
+        rep = gs._program(prep.plan, 0).replay
+        how = "direct" if rep is None else f"graphs {len(rep.graphs)}, enabled {rep.enabled}"
+        print(f"{name:24s} {host_us(fn):8.2f} us  ({how})  scratch {prep.plan.scratch_bytes} B  ops {ops}", flush=True)
     _pieces(gs, host_us, cases)
     if args.profile:
         profile_calls(cases, top=18)
@@ -72,7 +76,7 @@ def _pieces(gs, host_us, cases) -> None:
 
     def alternate():
         turn[0] ^= 1
-        prog.replay(other if turn[0] else fixed, stream, probe)
+        prog.replay(other if turn[0] else fixed, stream, False)
 
     pieces = {
         "whole call (f16 backward fast)": lambda: gs.grid_sample_backward(go, x, grid),
@@ -85,9 +89,17 @@ def _pieces(gs, host_us, cases) -> None:
         "stream_pointer": lambda: stream_pointer(None, "torch", 0),
         "capture probe": lambda: probe(stream),
         "_program lookup": lambda: gs._program(plan, 0),
-        "replay, same pointers (graph launch)": lambda: prog.replay(fixed, stream, probe),
+        "replay, same pointers (graph launch)": lambda: prog.replay(fixed, stream, False),
         "replay, outputs alternating (2 nodes re-pointed)": alternate,
         "direct run of the 3 launches": lambda: prog.run(fixed, stream),
+        "alloc: torch.empty_strided(shape, strides, dtype=, device=)":
+            lambda: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device),
+        "alloc: x.new_empty_strided(shape, strides)": lambda: x.new_empty_strided(x.shape, x.stride()),
+        "alloc: x.new_empty(shape)": lambda: x.new_empty(x.shape),
+        "alloc: torch.empty_like(x)": lambda: torch.empty_like(x),
+        "alloc: torch.empty(shape, dtype=, device=)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "alloc: torch.empty(nbytes, dtype=uint8, device=)": lambda: torch.empty(1 << 20, dtype=torch.uint8,
+                                                                                device=x.device),
     }
     for name, fn in pieces.items():
         print(f"  {name:52s} {host_us(fn):8.2f} us", flush=True)
