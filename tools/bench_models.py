@@ -222,6 +222,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--loss-steps", type=int, default=20)
     p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
+    p.add_argument("--policy", choices=("heuristic", "autotune"), default="heuristic",
+                   help="how our plans are chosen: torch autotunes (benchmark=True), so `autotune` compares like "
+                        "with like, as a job whose cache `warmup --autotune` filled")
+    p.add_argument("--autotune-limit", type=int, default=3, help="candidates timed per spec with --policy autotune")
     p.add_argument("--plot-from", type=Path, metavar="JSON", help="only draw --plot from results written by --out "
                    "(no GPU needed)")
     args = p.parse_args(argv)
@@ -233,9 +237,14 @@ def main(argv=None) -> int:
     import torch
 
     torch.backends.cudnn.benchmark = True
+    if args.policy == "autotune":  # the device's shared session, which the modules use, made autotuning
+        from cudnn_graphs.plan import session as sessions
+
+        sessions._sessions[0] = sessions.Session(device=0, policy="autotune", autotune_limit=args.autotune_limit)
     results = [bench_model(name, args) for name in args.models]
     speed = [r["train_speedup"] for r in results]
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": results,
+               "policy": args.policy, "autotune_limit": args.autotune_limit if args.policy == "autotune" else None,
                "train_geomean": statistics.geometric_mean(speed),
                "infer_geomean": statistics.geometric_mean([r["infer_speedup"] for r in results])}
     print(f"geo-mean speedup: training {summary['train_geomean']:.2f}x, inference {summary['infer_geomean']:.2f}x")
