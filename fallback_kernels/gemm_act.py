@@ -286,7 +286,8 @@ Step = Callable[[dict, int], None]  # step(addresses by buffer name, stream): qu
 
 
 class _Program(NamedTuple):
-    """One call planned: the results to allocate, one scratch block, and the steps that queue the work."""
+    """One call planned: the results to allocate, the scratch it needs (offsets into one block), and the
+    steps that queue the work, also as one re-pointed CUDA graph (`replay`)."""
 
     framework: str
     device: int
@@ -310,8 +311,8 @@ class _Program(NamedTuple):
 
 
 def _execute(prog: _Program, ptrs: dict, given: dict, stream: Any) -> tuple:
-    """Allocate the results and scratch, queue every step on the stream; the results (given buffers for
-    those the caller passed)."""
+    """Allocate the results, take the stream's scratch block (a block of this call's own under capture),
+    queue the steps; the results (given buffers for those the caller passed)."""
     objs = dict(given)
     addrs = [ptrs[name] for name in prog.inputs]
     for name, alloc in prog.outputs:

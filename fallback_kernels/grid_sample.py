@@ -52,7 +52,7 @@ from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.replay import Replay
 from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
-                                   stream_scratch, torch_allocator)
+                                stream_scratch, torch_allocator)
 
 from . import compile as _compile
 
@@ -446,7 +446,8 @@ def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
 
 
 def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
-    """Run `plan` on `ptrs` (its inputs' and outputs' addresses), with scratch of this call's own."""
+    """Run `plan` on `ptrs` (its inputs' and outputs' addresses) and the stream's scratch block (this
+    call's own under capture)."""
     stream = stream_pointer(None, framework, device)
     capturing = capture_probe(framework, None)(stream)
     owner = None
