@@ -73,6 +73,7 @@ class Replay:
                     recordings.append(record(lambda side: self.run(moved, side), self.ordinal))
             graph = graph_patch.PatchableGraph(recordings[0], recordings[1:], ptrs, ordinal=self.ordinal)
         except Exception as err:  # noqa: BLE001 - a refusal (PatchError, a library that cannot be captured)
+            # PatchableGraph destroys the moved recordings whatever happens; the first stays ours on failure.
             for graph_ in recordings[:1] if len(recordings) == graph_patch.MOVES + 1 else recordings:
                 graph_patch.destroy(graph_)
             log.info("%s: calls stay direct (%s)", self.label, getattr(err, "reason", err))
