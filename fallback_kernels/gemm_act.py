@@ -48,8 +48,8 @@ from gpu_launch.buffers import BufferInfo, describe, torch_tensor_type
 from gpu_launch.dlpack import contiguous_strides
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.replay import Replay
-from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
-                                stream_scratch, torch_allocator)
+from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, external_stream, stream_pointer,
+                                torch_allocator)
 
 from . import blas, cublaslt
 from . import compile as _compile
@@ -321,11 +321,9 @@ def _execute(prog: _Program, ptrs: dict, given: dict, stream: Any) -> tuple:
     sptr = stream_pointer(stream, prog.framework, prog.device)
     capturing = capture_probe(prog.framework, stream)(sptr)
     owner = None
-    if prog.scratch_bytes and capturing:
-        owner, base = allocate(prog.scratch_bytes, prog.framework, prog.device)
+    if prog.scratch_bytes:
+        owner, base = call_scratch(prog.scratch_bytes, prog.framework, prog.device, sptr, capturing=capturing)
         addrs.append(base)
-    elif prog.scratch_bytes:
-        addrs.append(stream_scratch(prog.scratch_bytes, prog.framework, prog.device, sptr))
     if driver.context_is_current(prog.device):
         prog.replay(tuple(addrs), sptr, capturing)
     else:

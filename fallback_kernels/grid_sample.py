@@ -51,8 +51,8 @@ from gpu_launch import driver
 from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
 from gpu_launch.replay import Replay
-from gpu_launch.streams import (allocate, allocate_like, capture_probe, external_stream, stream_pointer,
-                                stream_scratch, torch_allocator)
+from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, external_stream, stream_pointer,
+                                torch_allocator)
 
 from . import compile as _compile
 
@@ -449,14 +449,13 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
     """Run `plan` on `ptrs` (its inputs' and outputs' addresses) and the stream's scratch block (this
     call's own under capture)."""
     stream = stream_pointer(None, framework, device)
-    capturing = capture_probe(framework, None)(stream)
-    owner = None
-    if plan.scratch_bytes and capturing:
-        owner, base = allocate(plan.scratch_bytes, framework, device)
-        ptrs += (base,)
-    elif plan.scratch_bytes:
-        ptrs += (stream_scratch(plan.scratch_bytes, framework, device, stream),)
     prog = _program(plan, device)
+    # A single launch without scratch (the forward) needs no capture probe: ~1 us of its call.
+    capturing = (plan.scratch_bytes or prog.replay is not None) and capture_probe(framework, None)(stream)
+    owner = None
+    if plan.scratch_bytes:
+        owner, base = call_scratch(plan.scratch_bytes, framework, device, stream, capturing=capturing)
+        ptrs += (base,)
     if PROFILE is not None:
         _run_profiled(plan, prog, ptrs, stream, device)
     elif prog.replay is not None:

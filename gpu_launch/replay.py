@@ -35,7 +35,7 @@ class Replay:
     may depend on alignment. `label` names the sequence in the log.
     """
 
-    __slots__ = ("run", "ordinal", "label", "graphs", "enabled", "replays", "_seen", "_lock")
+    __slots__ = ("run", "ordinal", "label", "graphs", "enabled", "replays", "_seen")
 
     def __init__(self, run: Callable[[Sequence[int], int], None], *, ordinal: int, label: str):
         self.run, self.ordinal, self.label = run, ordinal, label
@@ -43,7 +43,6 @@ class Replay:
         self.enabled = True  # until a recording fails
         self.replays = 0
         self._seen: set[tuple[int, int]] = set()
-        self._lock = threading.Lock()
 
     def __call__(self, ptrs: tuple[int, ...], stream: int, capturing: bool) -> None:
         """Run on `stream`; `capturing`: the caller's stream is being captured now (run directly then)."""
@@ -79,8 +78,7 @@ class Replay:
             log.info("%s: calls stay direct (%s)", self.label, getattr(err, "reason", err))
             self.enabled = False
             return None
-        with self._lock:
-            self.graphs[key] = graph
+        self.graphs[key] = graph  # keyed by this thread: no other thread writes it
         return graph
 
 

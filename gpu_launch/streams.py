@@ -54,8 +54,8 @@ def stream_scratch(nbytes: int, framework: str, device: int, stream: int) -> int
     calls (one allocation a call cost 5-6 us of host time on an H100 host). Work on one stream runs in
     stream order, so every call on it can share one block, grown to the largest asked for; a block left
     for a larger one goes back to its stream-ordered allocator (safe behind queued work). Per thread.
-    Never while the stream is being captured: a captured graph would keep the address of a block this
-    may later give back (allocate() serves capture from the capturing framework's pool)."""
+    Not while the stream is being captured (call_scratch says which): a captured graph would keep the
+    address of a block this may later give back."""
     blocks = getattr(_scratch, "blocks", None)
     if blocks is None:
         blocks = _scratch.blocks = {}
@@ -66,6 +66,14 @@ def stream_scratch(nbytes: int, framework: str, device: int, stream: int) -> int
         owner, ptr = allocate(nbytes, framework, device)
         held = blocks[key] = (owner, nbytes, ptr)
     return held[2]
+
+
+def call_scratch(nbytes: int, framework: str, device: int, stream: int, *, capturing: bool) -> tuple[Any, int]:
+    """(owner, address) of a call's scratch: the stream's shared block (owner None), or under capture a
+    block of the call's own from the capturing framework's pool (keep `owner` until the work is queued)."""
+    if capturing:
+        return allocate(nbytes, framework, device)
+    return None, stream_scratch(nbytes, framework, device, stream)
 
 
 def release_scratch() -> None:

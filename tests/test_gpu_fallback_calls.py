@@ -90,6 +90,10 @@ def test_repeated_grid_sample_calls_compute_fresh_data_and_tell_offsets_apart():
             assert err < 1e-5, (offset, err)
 
 
+def _rel(got, ref) -> float:
+    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def _check_gemm_call(a, b, bias, dy, act: str, *, tol: float, tag) -> tuple:
     """gemm_bias_act and its backward on these operands against float64 autograd; returns the results."""
     F = torch.nn.functional
@@ -101,8 +105,7 @@ def _check_gemm_call(a, b, bias, dy, act: str, *, tol: float, tag) -> tuple:
     want = fn(torch.addmm(bias64, a64, b64))
     want.backward(dy.double())
     for name, got, ref in (("y", y, want), ("da", da, a64.grad), ("db", db, b64.grad), ("dbias", dbias, bias64.grad)):
-        err = float((got.double() - ref).norm() / ref.norm())
-        assert err < tol, (act, tag, name, err)
+        assert _rel(got, ref) < tol, (act, tag, name, _rel(got, ref))
     return y, aux, da, db, dbias
 
 
@@ -120,10 +123,6 @@ def test_repeated_gemm_calls_compute_fresh_data_and_tell_offsets_apart(act):
         b = torch.randn(n, k, device="cuda", dtype=torch.float16).t() * k ** -0.5  # nn.Linear's weight.T
         dy = torch.randn(m, n, device="cuda", dtype=torch.float16)
         _check_gemm_call(a, b, bias, dy, act, tol=3e-3, tag=offset)
-
-
-def _rel(got, ref) -> float:
-    return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _replays() -> int:

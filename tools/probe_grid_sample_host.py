@@ -43,13 +43,13 @@ def main() -> int:
         rep = gs._program(prep.plan, 0).replay
         how = "direct" if rep is None else f"graphs {len(rep.graphs)}, enabled {rep.enabled}"
         print(f"{name:24s} {host_us(fn):8.2f} us  ({how})  scratch {prep.plan.scratch_bytes} B  ops {ops}", flush=True)
-    _pieces(gs, host_us, cases)
+    _pieces(gs, host_us)
     if args.profile:
         profile_calls(cases, top=18)
     return 0
 
 
-def _pieces(gs, host_us, cases) -> None:
+def _pieces(gs, host_us) -> None:
     """Host us of each piece of a backward call that replays its graph (f16, the tile kernels)."""
     import torch
 
