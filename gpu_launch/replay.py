@@ -7,18 +7,21 @@ it with the real pointers and with moved ones (`graph_patch`, 1-2 ms once), and 
 `PatchableGraph` per (thread, stream), its pointer arguments rewritten when the call's pointers differ.
 A sequence that cannot be captured or re-pointed stays direct, said once in the log.
 
-Unlike cuDNN plans (`cudnn_graphs.plan.launcher`, whose capture behind queued work held the host until
-the work drained), these recordings do not wait for the GPU: with a 1 s sleep queued, recording a
-grid_sample backward took 1-2 ms of host time and the GPU was still busy after
-(`tools/probe_grid_sample_host.py`; `tests/test_gpu_fallback_calls.py` records behind a queued sleep), so
-a training loop that never lets its stream idle still gets its graphs. While the caller's stream is
-being captured (`torch.cuda.graph`), calls run directly and their launches land in the caller's graph.
+Recordings do not wait for an idle stream: with a 1 s sleep queued, recording a grid_sample backward
+took 1-2 ms of host time and a ResNet-50 conv plan 0.75-4 ms, the GPU still busy after
+(`tools/probe_grid_sample_host.py`, `tools/probe_record_behind_work.py`; the GPU tests record behind a
+queued sleep), so a training loop that never lets its stream idle still gets its graphs. Should one
+recording behind queued work ever wait for it (an earlier launcher policy saw that once), `watch()` turns
+recording behind work off for the process: later recordings wait for an idle stream, as they once all did.
+While the caller's stream is being captured (`torch.cuda.graph`), calls run directly and their launches
+land in the caller's graph.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Sequence
 
 from . import driver, graph_patch
@@ -54,7 +57,7 @@ class Replay:
                 graph.launch(ptrs, stream)
                 return
         elif key in self._seen:
-            if self.enabled and not capturing:
+            if self.enabled and not capturing and may_record(stream):
                 graph = self._record(key, ptrs, stream)
                 if graph is not None:
                     graph.launch(ptrs, stream)
@@ -65,6 +68,7 @@ class Replay:
 
     def _record(self, key: tuple[int, int], ptrs: tuple[int, ...], stream: int):
         recordings: list[int] = []
+        done = watch(stream)
         try:
             with driver.device(self.ordinal):
                 for move in range(-1, graph_patch.MOVES):
@@ -78,6 +82,8 @@ class Replay:
             log.info("%s: calls stay direct (%s)", self.label, getattr(err, "reason", err))
             self.enabled = False
             return None
+        finally:
+            done()
         self.graphs[key] = graph  # keyed by this thread: no other thread writes it
         return graph
 
@@ -103,6 +109,38 @@ def record(run: Callable[[int], None], ordinal: int) -> int:
             graph_patch.destroy(graph)
         raise error if error is not None else CudaDriverError("cuStreamEndCapture", -1, "an empty capture")
     return graph
+
+
+# A recording's host time beyond which, the queue drained meanwhile, it waited for the GPU: recordings take
+# 1-20 ms, a wait as long as the queue; 50 ms was crossed by a first recording behind a short queue in the GPU suite.
+WAITED_S = 0.2
+_behind_work = True  # recording behind queued work allowed (for the process, until `watch` sees one wait)
+
+
+def may_record(stream: int) -> bool:
+    """A recording on `stream` may start now: anywhere, unless one behind queued work was seen to wait."""
+    return _behind_work or nothing_queued(stream)
+
+
+def watch(stream: int) -> Callable[[], None]:
+    """Call before recording for `stream`; call what it returns after. A recording that started behind queued
+    work and ended after WAITED_S with the queue drained waited for it: later ones wait for an idle stream."""
+    if not _behind_work or nothing_queued(stream):
+        return _nothing
+    start = time.perf_counter()
+
+    def done() -> None:
+        global _behind_work
+        took = time.perf_counter() - start
+        if took > WAITED_S and nothing_queued(stream) and _behind_work:
+            _behind_work = False
+            log.warning("recording a CUDA graph behind queued work waited %.0f ms for the GPU; graphs are "
+                        "recorded only on an idle stream from now on", took * 1e3)
+    return done
+
+
+def _nothing() -> None:
+    return None
 
 
 def nothing_queued(stream: int) -> bool:

@@ -15,6 +15,7 @@ F = torch.nn.functional
 import cudnn_graphs as cg  # noqa: E402
 import cudnn_graphs.torch as cgt  # noqa: E402
 from cudnn_graphs.plan import resident  # noqa: E402
+from gpu_launch import replay  # noqa: E402
 from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvFwdRequest  # noqa: E402
 
 from . import gpu_reference as ref  # noqa: E402
@@ -33,22 +34,22 @@ def _rand(*shape, dtype=torch.float16, memory_format=CL):
     return t.contiguous(memory_format=memory_format) if t.dim() == 4 else t
 
 
-def _entry_points(session):
+def _entry_points(session, *, n=8, c=32, hw=14):
     """Every public conv entry point on one geometry, as no-argument calls (plans built first)."""
-    x, w, b = _rand(8, 32, 14, 14), _rand(32, 32, 3, 3) * 0.1, _rand(32)
-    dy, y = _rand(8, 32, 14, 14), torch.empty_like(x)
+    x, w, b = _rand(n, c, hw, hw), _rand(c, c, 3, 3) * 0.1, _rand(c)
+    dy, y = _rand(n, c, hw, hw), torch.empty_like(x)
     spec = cg.ConvFwdSpec(x.shape, w.shape, padding=1, dtype="float16", layout="channels_last", bias=True,
                           activation="relu")
     plan = session.plan(spec)
     bound = plan.bind(x=x, w=w, bias=b, y=y)
-    conv = cgt.Conv2d(32, 32, 3, padding=1, activation="relu").cuda().half().to(memory_format=CL)
+    conv = cgt.Conv2d(c, c, 3, padding=1, activation="relu").cuda().half().to(memory_format=CL)
     xr = x.detach().clone().requires_grad_(True)
 
     def module_inference():
         with torch.no_grad():
             conv(x)
 
-    xs = [_rand(8, 32, 14, 14) for _ in range(3)]
+    xs = [_rand(n, c, hw, hw) for _ in range(3)]
     ys = [torch.empty_like(x) for x in xs]
     turn = itertools.count()
 
@@ -77,27 +78,53 @@ def _entry_points(session):
 
 def test_no_device_synchronisation_on_any_call_path(session):
     calls = _entry_points(session)
-    for fn in calls.values():  # first sight plans; a later one on an idle stream records: steady state after
+    for fn in calls.values():  # first sight plans, the second records: steady state after
         for _ in range(3):
             fn()
             torch.cuda.synchronize()
     gc.collect()  # earlier tests let plans go on purpose (resident.forget): not this test's business
     torch.cuda.synchronize()
-    n = 20
     for name, fn in calls.items():
-        start = time.perf_counter()
-        torch.cuda._sleep(int(2e9))  # about a second of GPU time, queued ahead of every call
-        ends = []
-        for _ in range(n):
-            fn()
-            ends.append(time.perf_counter())
-        host_s = time.perf_counter() - start
-        busy = not torch.cuda.current_stream().query()
-        torch.cuda.synchronize()
-        per_call = " ".join(f"{(b - a) * 1e3:.1f}" for a, b in zip([start, *ends], ends))
-        assert busy and host_s < 0.25, (f"{name}: {n} calls took {host_s:.3f} s of host time and the GPU "
+        host_s, busy, per_call = _queued_calls_ms(fn, 20)
+        assert busy and host_s < 0.25, (f"{name}: 20 calls took {host_s:.3f} s of host time and the GPU "
                                         f"{'was still busy' if busy else 'drained: a call synchronised'}; "
                                         f"ms per call: {per_call}")
+
+
+def _queued_calls_ms(fn, n):
+    """`fn` called n times behind ~1 s of queued GPU work: (host seconds, GPU still busy after, ms per call)."""
+    start = time.perf_counter()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time, queued ahead of every call
+    ends = []
+    for _ in range(n):
+        fn()
+        ends.append(time.perf_counter())
+    host_s = time.perf_counter() - start
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return host_s, busy, " ".join(f"{(b - a) * 1e3:.1f}" for a, b in zip([start, *ends], ends))
+
+
+def _graphs_recorded():
+    return sum(launcher.captures for plan in list(resident._plans.values())
+               for launcher in list(plan._launchers.values()))
+
+
+def test_graphs_are_recorded_behind_queued_work_without_waiting_for_it(monkeypatch):
+    """A training loop's stream never idles: each entry point's second call (which records its graph)
+    is made behind a queued second of GPU work, on a geometry no other test plans (fresh launchers)."""
+    monkeypatch.setattr(replay, "_behind_work", True)  # what earlier tests' recordings did is not this test's
+    calls = _entry_points(cg.Session(allow_tf32=False), n=4, c=40, hw=12)
+    for fn in calls.values():
+        fn()  # first sight: plans, runs directly
+    torch.cuda.synchronize()
+    before = _graphs_recorded()
+    for name, fn in calls.items():
+        host_s, busy, per_call = _queued_calls_ms(fn, 10)
+        assert busy and host_s < 0.25, (f"{name}: 10 calls (the second records) took {host_s:.3f} s of host "
+                                        f"time; GPU {'still busy' if busy else 'drained'}; ms per call: {per_call}")
+    assert replay._behind_work, "a recording waited for queued work"
+    assert _graphs_recorded() - before >= len(calls) // 2, "expected graphs recorded behind the queued work"
 
 
 def test_letting_go_of_sessions_and_plans_never_waits_for_the_gpu(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_launch import replay
 from cudnn_graphs.errors import GraphCaptureError
 from cudnn_graphs.plan import launcher as launcher_mod
 from cudnn_graphs.plan.launcher import Launcher
@@ -80,6 +81,7 @@ def _stand_in(monkeypatch, *, repointable: bool) -> Launcher:
     monkeypatch.setattr(lau, "capture", capture)
     monkeypatch.setattr(lau, "_record_patchable", record_patchable)
     monkeypatch.setattr(launcher_mod.driver, "stream_idle", lambda stream: lau.idle)
+    monkeypatch.setattr(replay, "_behind_work", True)  # the process-wide switch, back on after each test
     lau.idle = True
     return lau
 
@@ -177,15 +179,33 @@ def test_an_engine_that_cannot_be_captured_stays_direct(launcher, monkeypatch):
     assert [entry[0] for entry in launcher.plan.log] == ["direct"] * 5
 
 
-def test_no_recording_behind_queued_work(launcher):
-    launcher.idle = False  # the stream has work queued: recording would wait for it
-    for _ in range(5):
+def test_records_behind_queued_work(launcher):
+    launcher.idle = False  # a training loop's stream is never idle: recording must not need it
+    for _ in range(3):
         launcher.launch((16, 32), 7, _never)
-    assert launcher.captures == 0 and [entry[0] for entry in launcher.plan.log] == ["direct"] * 5
-    launcher.idle = True  # the next sight with an idle stream records it
-    launcher.launch((16, 32), 7, _never)
-    launcher.launch((16, 32), 7, _never)
-    assert launcher.captures == 1 and [entry[0] for entry in launcher.plan.log[-2:]] == ["replay", "replay"]
+    assert launcher.captures == 1 and [entry[0] for entry in launcher.plan.log] == ["direct", "replay", "replay"]
+
+
+def test_a_recording_that_waited_for_the_queue_makes_later_ones_wait_for_an_idle_stream(launcher, monkeypatch):
+    monkeypatch.setattr(replay, "WAITED_S", 0.0)
+    capture = launcher.capture
+
+    def waits_for_the_queue(ptrs, stream):  # the stand-in for a recording that drained the GPU
+        launcher.idle = True
+        return capture(ptrs, stream)
+
+    monkeypatch.setattr(launcher, "capture", waits_for_the_queue)
+    launcher.idle = False
+    for _ in range(2):
+        launcher.launch((16, 32), 7, _never)
+    assert launcher.captures == 1 and not replay._behind_work
+    launcher.idle = False  # from now on a busy stream means no recording
+    for _ in range(3):
+        launcher.launch((64, 128), 7, _never)
+    assert launcher.captures == 1 and [entry[0] for entry in launcher.plan.log[-3:]] == ["direct"] * 3
+    launcher.idle = True  # the next sight with an idle stream records
+    launcher.launch((64, 128), 7, _never)
+    assert launcher.captures == 2
 
 
 def test_a_repointable_graph_serves_every_aligned_pointer_set_of_its_stream(repointing):

@@ -34,6 +34,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(replay.graph_patch, "destroy", lambda graph: log.append(("destroyed", graph)))
     monkeypatch.setattr(replay.driver, "device", lambda ordinal: contextlib.nullcontext())
     monkeypatch.setattr(replay.driver, "stream_idle", lambda stream: state["idle"])
+    monkeypatch.setattr(replay, "_behind_work", True)  # the process-wide switch, back on after each test
     rep = replay.Replay(lambda ptrs, stream: log.append(("direct", stream, ptrs)), ordinal=0, label="test")
     return rep, log, state
 
@@ -53,6 +54,18 @@ def test_a_busy_stream_still_records_at_the_second_call(stand_in):
     for _ in range(3):
         rep((256,), 7, False)
     assert [entry[0] for entry in log] == ["direct", "graph", "graph"]
+
+
+def test_once_a_recording_waited_for_the_queue_a_busy_stream_stays_direct(stand_in, monkeypatch):
+    rep, log, state = stand_in
+    monkeypatch.setattr(replay, "_behind_work", False)  # a launcher's recording was seen to wait
+    state["idle"] = False
+    for _ in range(3):
+        rep((256,), 7, False)
+    assert [entry[0] for entry in log] == ["direct"] * 3 and state["recordings"] == 0
+    state["idle"] = True
+    rep((256,), 7, False)
+    assert log[-1][0] == "graph"
 
 
 def test_capturing_caller_gets_direct_runs_that_land_in_its_graph(stand_in):

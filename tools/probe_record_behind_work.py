@@ -2,11 +2,11 @@
 
     python3 tools/probe_record_behind_work.py [--out probe.json]
 
-`plan/launcher.py` records only on an idle stream because a recording behind a second of queued work
-once held the host for that second. A training loop's stream is never idle, so its plans then run
-without graphs. Here each case (ResNet-50 layers, forward / dgrad / wgrad, fp16 channels_last, batch 32)
-runs once (plans, first direct run), then, behind a queued ~1 s sleep, its second call is made to record
-(the idle check bypassed): the host time of that call, and whether the GPU was still busy after it.
+`plan/launcher.py` records behind queued work unless one such recording was seen to wait for it
+(`gpu_launch.replay.watch`), since a training loop's stream is never idle. Here each case (ResNet-50
+layers, forward / dgrad / wgrad, fp16 channels_last, batch 32) runs once (plans, first direct run), then,
+behind a queued ~1 s sleep, its second call records: the host time of that call, whether the GPU was
+still busy after it, and whether the watch turned recording behind work off.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
     import torch
 
     import cudnn_graphs as cg
-    from cudnn_graphs.plan import launcher
+    from gpu_launch import replay
 
     rows = {}
     for name, fn in _cases(torch, cg):
@@ -57,18 +57,17 @@ def main() -> int:
         torch.cuda.synchronize()
         captures = sum(c.launcher.captures for c in cg.default_session(0)._calls.values())
         torch.cuda._sleep(int(2e9))  # about a second of GPU time
-        saved, launcher.nothing_queued = launcher.nothing_queued, lambda stream: True
-        try:
-            start = time.perf_counter()
-            fn()
-            took = time.perf_counter() - start
-        finally:
-            launcher.nothing_queued = saved
+        start = time.perf_counter()
+        fn()
+        took = time.perf_counter() - start
         busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
         recorded = sum(c.launcher.captures for c in cg.default_session(0)._calls.values()) - captures
-        rows[name] = {"host_ms": round(took * 1e3, 2), "gpu_busy_after": busy, "recorded": recorded}
-        print(f"{name:28s} {took * 1e3:9.2f} ms  GPU busy after: {busy}  graphs recorded: {recorded}", flush=True)
+        allowed = replay._behind_work
+        rows[name] = {"host_ms": round(took * 1e3, 2), "gpu_busy_after": busy, "recorded": recorded,
+                      "behind_work_still_allowed": allowed}
+        print(f"{name:28s} {took * 1e3:9.2f} ms  GPU busy after: {busy}  graphs recorded: {recorded}"
+              f"  behind work allowed: {allowed}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": rows}, indent=1))
     return 0

@@ -12,9 +12,12 @@ rewritten before a launch whose pointers differ from the last. Otherwise a graph
 set it was recorded with.
 
 Recording is a warm-up activity with a fixed budget, measured on an H100 (driver 580, cuDNN 9.19):
-- it must never happen behind queued work: recording a pointer set with a second of work queued held
-  the host for that whole second (tests/test_gpu_calls.py, two runs of two), as `cuGraphInstantiate`
-  once did in a training loop; so a graph is recorded at a sight that finds the stream idle;
+- it happens behind queued work: 18 ResNet-50 plans recorded with a second of work queued took 0.75-4 ms
+  of host time each and the GPU stayed busy (`tools/probe_record_behind_work.py`), so a training loop
+  whose stream never idles gets its graphs. Before re-pointed graphs, a recording at a pointer set's
+  second sight held the host for the whole queue (tests/test_gpu_calls.py, two runs of two; and
+  `cuGraphInstantiate` once in a training loop), the cause not found; should a recording wait like that
+  again, `gpu_launch.replay.watch` sees it and from then on the process records only on an idle stream;
 - it costs 0.5-2 ms of host time where a replay saves ~10 us, and where graphs cannot be re-pointed a
   training loop's activations come back only for a while (torch's caching allocator: about half of a
   step's pointer sets recur a step or two later, then drift); so a launcher records at most
@@ -30,7 +33,7 @@ import threading
 from typing import Callable, Sequence
 
 from gpu_launch import driver, graph_patch
-from gpu_launch.replay import capture_stream, nothing_queued, record
+from gpu_launch.replay import capture_stream, may_record, record, watch
 
 from ..errors import CudaDriverError, GraphCaptureError
 
@@ -106,7 +109,7 @@ class Launcher:
             graph.launch(stream)
             return
         if graph is None and self.capture_enabled and self._due(key) and not capturing(stream) \
-                and nothing_queued(stream) and self._record(key, ptrs, stream):
+                and may_record(stream) and self._record(key, ptrs, stream):
             return
         self.prepared(stream)(ptrs)
         if graph is None and self.capture_enabled:
@@ -120,6 +123,7 @@ class Launcher:
 
     def _record(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> bool:
         """Record a graph for these pointers (a re-pointable one where it can be) and launch it."""
+        done = watch(stream)
         try:
             graph = self._record_patchable(ptrs, stream) if self.patching and not _low_bits(ptrs) \
                 else self.capture(ptrs, stream)
@@ -127,6 +131,8 @@ class Launcher:
             log.info("%s: calls stay direct (%s)", self.plan.spec.op, err)
             self.capture_enabled = False
             return False
+        finally:
+            done()
         self._seen.pop(key, None)
         self.captures += 1
         repoints = getattr(graph, "repoints", False)
