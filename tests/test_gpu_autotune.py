@@ -145,3 +145,15 @@ def test_cache_verify_loads_every_tuned_record_and_a_bundle_carries_them(tuned_c
     proc = _python(["-m", "tests.gpu_warmup_worker", "resnet50", "2"], other)
     stats = json.loads(proc.stdout.strip().splitlines()[-1])["stats"]
     assert stats["builds"] == stats["timings"] == 0 and stats["disk_hits"] == 69, stats
+
+
+def test_every_built_candidate_is_timed_whatever_workspace_it_needs(tmp_path):
+    """Candidates needing a workspace larger than an earlier one's once failed to run (the tuner read
+    the size of its workspace allocation wrongly): every candidate that builds must be timed."""
+    spec = cg.ConvBwdFilterSpec((8, 64, 28, 28), (8, 256, 28, 28), (256, 64, 1, 1), dtype="float16",
+                                layout="channels_last")
+    plan = cg.Session(cache=tmp_path, policy="autotune").plan(spec)
+    rows = [row for part in plan.parts if part.tuning for row in part.tuning["candidates"]]
+    with_workspace = [row for row in rows if row["status"] == "ok" and row["workspace_size"]]
+    assert not [row for row in rows if row["status"] == "run_failed"], rows
+    assert len(with_workspace) >= 2, rows

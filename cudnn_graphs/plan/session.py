@@ -494,7 +494,7 @@ class Session:
 
         from . import autotune
 
-        part, owners, ws = build.parts[i], [], [None]
+        part, owners, ws = build.parts[i], [], [None, 0]  # the workspace allocation and its size
         descs = {**build.spec.tensors(), **build.intermediates}
         stream_ptr = cupy.cuda.get_current_stream().ptr
 
@@ -511,8 +511,8 @@ class Session:
         def workspace(nbytes: int) -> int:  # one allocation, grown to the largest candidate's need
             if nbytes == 0:
                 return 0
-            if ws[0] is None or ws[0].size < nbytes:
-                ws[0] = cupy.cuda.alloc(nbytes)
+            if ws[1] < nbytes:
+                ws[0], ws[1] = cupy.cuda.alloc(nbytes), nbytes
             return ws[0].ptr
 
         def make_call(index: int, ptrs: dict, ws_ptr: int):
