@@ -16,7 +16,7 @@ ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order match
 # io dtype -> (C++ storage type, math type)
 CTYPES = {"float16": ("half_t", "float"), "bfloat16": ("bf16_t", "float"), "float32": ("float", "float"),
           "float64": ("double", "double")}
-KERNELS = ("epilogue_fwd", "epilogue_act_backward")
+KERNELS = ("epilogue_fwd", "epilogue_fwd_dense", "epilogue_act_backward")
 OPTIONS = _compile.BASE_OPTIONS
 BLOCK = 256
 
@@ -30,7 +30,7 @@ def name_expressions() -> list[str]:
     for io, (t, a) in CTYPES.items():
         for c in sorted({a, t}):
             names += [f"{k}<{t}, {a}, {c}>" for k in KERNELS]
-        names.append(f"bias_grad<{t}, {a}>")
+        names += [f"bias_grad<{t}, {a}>", f"bias_grad_rows<{t}, {a}>"]
     return names
 
 
@@ -66,7 +66,7 @@ class KernelPart:
     cubin: bytes = field(repr=False)
     function_name: str = field(repr=False)  # the instantiation's lowered (mangled) name
     grid: int
-    block: int
+    block: int | tuple[int, int]
     args: tuple = field(repr=False)
     workspace_size: int = 0
     behavior_notes: tuple[str, ...] = ()
@@ -103,10 +103,18 @@ def _grid(n: int) -> int:
 
 
 def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid: int, args: tuple,
-          compiled: tuple[bytes, str] | None) -> KernelPart:
+          compiled: tuple[bytes, str] | None, *, block: int | tuple[int, int] = BLOCK) -> KernelPart:
+    if compiled is not None and not _names(compiled[1], expression):
+        compiled = None  # a record from a version that chose another kernel for this part: its arguments differ
     cubin, lowered = compiled or _compile.cubin("epilogue.cu", expression, _arch(device), OPTIONS)
     driver.function(cubin, lowered, device)  # load now: a stored cubin that will not load fails the plan's load
-    return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, BLOCK, args)
+    return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, block, args)
+
+
+def _names(lowered: str, expression: str) -> bool:
+    """Whether a lowered (Itanium-mangled) name is an instantiation of `expression`'s kernel template."""
+    base = expression.split("<", 1)[0]
+    return lowered.startswith(f"_Z{len(base)}{base}I")
 
 
 def _arch(device: int) -> str:
@@ -127,12 +135,31 @@ def fwd_epilogue(spec, acc, device: int, compiled: tuple[bytes, str] | None = No
     real, act = _real(a), spec.activation
     n = math.prod(y.shape)
     absent = ctypes.c_uint64(0)
-    args = ("acc", "bias" if spec.bias else absent, "z" if spec.residual else absent, "y",
-            _meta(y.shape, acc.strides, y.strides, z.strides if z else ()), ctypes.c_int64(n), real(spec.alpha),
-            real(spec.beta), ctypes.c_int32(ACT_CODES[act.name]), real(act.param or 0.0))
+    pointers = ("acc", "bias" if spec.bias else absent, "z" if spec.residual else absent, "y")
+    scalars = (real(spec.alpha), real(spec.beta), ctypes.c_int32(ACT_CODES[act.name]), real(act.param or 0.0))
     roles = ("acc", "y") + (("bias",) if spec.bias else ()) + (("z",) if spec.residual else ())
-    return _part("fwd_epilogue", roles, f"epilogue_fwd<{io}, {a}, {CTYPES[acc.dtype][0]}>", device, _grid(n), args,
+    cstride = _dense_channel_stride(y.shape, acc.strides, y.strides, *((z.strides,) if z else ()))
+    kernel = "epilogue_fwd" if cstride is None else "epilogue_fwd_dense"
+    if cstride is None:
+        args = (*pointers, _meta(y.shape, acc.strides, y.strides, z.strides if z else ()), ctypes.c_int64(n), *scalars)
+    else:
+        args = (*pointers, ctypes.c_int64(n), ctypes.c_int64(cstride), ctypes.c_int64(y.shape[1]), *scalars)
+    return _part("fwd_epilogue", roles, f"{kernel}<{io}, {a}, {CTYPES[acc.dtype][0]}>", device, _grid(n), args,
                  compiled)
+
+
+def _dense_channel_stride(shape, *strides_per_tensor) -> int | None:
+    """The channel dim's stride when every tensor has the same dense strides (the dims in some order, no
+    gaps): offset i then holds the same element in each, of channel (i / stride) % C. Else None."""
+    strides = strides_per_tensor[0]
+    if any(tuple(s) != tuple(strides) for s in strides_per_tensor[1:]):
+        return None
+    expected = 1
+    for d in sorted(range(len(shape)), key=lambda d: (strides[d], -d)):
+        if shape[d] != 1 and strides[d] != expected:
+            return None
+        expected *= shape[d]
+    return strides[1]
 
 
 def act_backward(spec, acc, device: int, compiled: tuple[bytes, str] | None = None) -> KernelPart:
@@ -152,5 +179,10 @@ def bias_grad(spec, device: int, compiled: tuple[bytes, str] | None = None) -> K
     """db[k] = sum of dy[:, k, ...] in a fixed order (deterministic) for a ConvBwdFilterSpec."""
     dy = spec.tensors()["dy"]
     io, a = CTYPES[spec.dtype]
-    args = ("dy", "db", _meta(dy.shape, dy.strides))
-    return _part("bias_grad", ("dy", "db"), f"bias_grad<{io}, {a}>", device, spec.w_shape[0], args, compiled)
+    k = dy.shape[1]
+    if _dense_channel_stride(dy.shape, dy.strides) == 1:  # channels last: rows of K, read across channels
+        rows = math.prod(dy.shape) // k
+        return _part("bias_grad", ("dy", "db"), f"bias_grad_rows<{io}, {a}>", device, (k + 31) // 32,
+                     ("dy", "db", ctypes.c_int64(rows), ctypes.c_int32(k)), compiled, block=(32, 32))
+    return _part("bias_grad", ("dy", "db"), f"bias_grad<{io}, {a}>", device, k, ("dy", "db", _meta(dy.shape, dy.strides)),
+                 compiled)

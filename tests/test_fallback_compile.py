@@ -49,3 +49,27 @@ def test_meta_matches_the_kernels_by_value_struct():
     assert ctypes.sizeof(meta) == 26 * 8 and "struct Meta { long long v[26]; }" in epilogue.source()
     assert list(meta.v[:5]) == [4, 2, 3, 4, 5] and list(meta.v[6:10]) == [60, 20, 5, 1]
     assert list(meta.v[11:15]) == [60, 1, 15, 3]
+
+
+@pytest.mark.parametrize("shape,strides,channel_stride", [
+    ((2, 3, 4, 5), (60, 20, 5, 1), 20),  # channels first
+    ((2, 3, 4, 5), (60, 1, 15, 3), 1),  # channels last
+    ((2, 3, 4, 5, 6), (360, 1, 90, 18, 3), 1),  # 3-D channels last
+    ((2, 3, 4, 5), (120, 1, 30, 6), None),  # a padded view: element i is not at offset i
+    ((2, 3, 4, 5), (60, 20, 1, 4), 20),  # H and W transposed: still offset i in every tensor
+])
+def test_the_dense_epilogue_serves_exactly_the_dense_layouts(shape, strides, channel_stride):
+    assert epilogue._dense_channel_stride(shape, strides, strides) == channel_stride
+
+
+def test_the_dense_epilogue_needs_one_layout_for_every_tensor():
+    assert epilogue._dense_channel_stride((2, 3, 4, 5), (60, 20, 5, 1), (60, 1, 15, 3)) is None
+
+
+def test_a_stored_kernel_of_another_template_is_compiled_again():
+    """A record written when the part ran another kernel (other arguments) must not launch with these."""
+    names = kc.nvrtc_check("epilogue.cu", epilogue.name_expressions(), "sm_90", epilogue.OPTIONS)
+    dense, general = (names[f"{k}<half_t, float, half_t>"] for k in ("epilogue_fwd_dense", "epilogue_fwd"))
+    assert epilogue._names(dense, "epilogue_fwd_dense<half_t, float, half_t>")
+    assert not epilogue._names(general, "epilogue_fwd_dense<half_t, float, half_t>")
+    assert not epilogue._names(dense, "epilogue_fwd<half_t, float, half_t>")

@@ -250,3 +250,42 @@ def test_bias_grad_any_path(session, dtype, layout):
 def test_fallback_is_reported(session):
     plan = session.plan(_wgrad(bias_grad=True))
     assert plan.fused is False and plan.engines[-1].startswith("kernel:bias_grad")
+
+
+@pytest.mark.parametrize("dtype, layout", [("float16", "channels_last"), ("bfloat16", "channels_last"),
+                                           ("float32", "channels_first")])
+def test_depthwise_fwd_with_an_epilogue_runs_the_plain_conv_then_our_epilogue(session, dtype, layout):
+    """cuDNN's fused depthwise engines are ~15x slower than its plain depthwise conv (H100, cuDNN 9.19):
+    the conv writes the io dtype (as torch's does), then the dense epilogue kernel adds bias, z, act."""
+    spec = _fwd(dtype=dtype, layout=layout, c=24, k=24, groups=24, ksize=7, size=13, bias=True, residual=True,
+                beta=0.5, activation="gelu")
+    plan = _check_fwd(session, spec)
+    assert not plan.fused and plan.acc_dtype == dtype, plan.engines
+    assert plan.engines[-1].startswith("kernel:epilogue_fwd_dense<"), plan.engines
+
+
+def test_unfused_epilogue_on_a_padded_output_takes_the_strided_kernel(unfused):
+    size, k = 12, 32
+    y_strides = (k * size * (size + 3), size * (size + 3), size + 3, 1)  # rows padded by 3: not dense
+    spec = _fwd(dtype="float32", layout="channels_first", bias=True, activation="relu", strides={"y": y_strides})
+    plan = _check_fwd(unfused, spec)
+    assert plan.engines[-1].startswith("kernel:epilogue_fwd<"), plan.engines
+
+
+@pytest.mark.parametrize("dtype, layout, kernel", [("float16", "channels_last", "bias_grad_rows"),
+                                                   ("bfloat16", "channels_last", "bias_grad_rows"),
+                                                   ("float32", "channels_first", "bias_grad")])
+def test_bias_grad_over_many_rows_and_a_ragged_channel_tile(session, dtype, layout, kernel):
+    """Rows not a multiple of the kernel's 128-row stride, channels not a multiple of its 32-channel tile;
+    the same inputs give the same bits again (a fixed summation order)."""
+    x, w = (5, 8, 23, 23), (40, 8, 3, 3)
+    spec = ConvBwdFilterSpec(x, ConvFwdSpec(x, w, padding=1).y_shape, w, padding=1, dtype=dtype, layout=layout,
+                             bias_grad=True)
+    _check_wgrad(session, spec)
+    plan, bufs = _run(session, spec)
+    assert plan.engines[-1].startswith(f"kernel:{kernel}<"), plan.engines
+    first = bufs["db"].clone()
+    bufs["db"].fill_(float("nan"))
+    plan.execute(**bufs)
+    torch.cuda.synchronize()
+    assert torch.equal(first, bufs["db"])
