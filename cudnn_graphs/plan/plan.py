@@ -251,9 +251,9 @@ class Plan:
              **buffers: Any) -> "BoundPlan":
         """Check buffers once; the returned object's `launch()` re-runs with no re-validation.
 
-        `cuda_graph="auto"`: once a launch finds the stream idle (recording behind queued work would
-        wait for it), later launches replay a CUDA graph (one graph launch instead of a cuDNN execute
-        per part: about a quarter of the host time), within the plan's graph budget (`launcher.py`);
+        `cuda_graph="auto"`: from the second launch (recorded behind queued work unless a recording was
+        once seen to wait for it), launches replay a CUDA graph (one graph launch instead of a cuDNN
+        execute per part: about a quarter of the host time), within the plan's graph budget (`launcher.py`);
         launches run directly whenever the stream is being captured by someone else or capture failed.
         True captures at the first launch and raises GraphCaptureError if it cannot; False never captures.
         """
