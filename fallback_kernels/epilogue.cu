@@ -116,7 +116,8 @@ __global__ void bias_grad(const T* __restrict__ dy, T* __restrict__ db, const Me
 
 // Channels-last dy (dense, channel stride 1): rows of K channels. A block sums 32 channels (a warp reads
 // them coalesced) over every row, 32 row lanes with 4 accumulators each, then adds the lanes in a fixed
-// order: deterministic, and ~10x faster than a block per channel reading with stride K.
+// order: deterministic. 1.1-3.3x faster than a block per channel reading with stride K (H100, convnext's
+// depthwise maps), but only K / 32 blocks: a 96-channel 56x56 map still takes ~5x torch's two-pass reduction.
 template <typename T, typename A>
 __global__ void bias_grad_rows(const T* __restrict__ dy, T* __restrict__ db, long long rows, int K) {
     __shared__ A partial[32][33];

@@ -111,8 +111,8 @@ def record(run: Callable[[int], None], ordinal: int) -> int:
     return graph
 
 
-# A recording's host time beyond which, the queue drained meanwhile, it waited for the GPU: recordings take
-# 1-20 ms, a wait as long as the queue; 50 ms was crossed by a first recording behind a short queue in the GPU suite.
+# A recording's host time beyond which, the queue drained meanwhile, it waited for the GPU: recordings took
+# 0.9-17 ms behind a 1 s sleep (tools/probe_record_behind_work.py), a wait lasts as long as the queue.
 WAITED_S = 0.2
 _behind_work = True  # recording behind queued work allowed (for the process, until `watch` sees one wait)
 
