@@ -19,6 +19,7 @@ land in the caller's graph.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -124,19 +125,45 @@ def may_record(stream: int) -> bool:
 
 def watch(stream: int) -> Callable[[], None]:
     """Call before recording for `stream`; call what it returns after. A recording that started behind queued
-    work and ended after WAITED_S with the queue drained waited for it: later ones wait for an idle stream."""
+    work and ended after WAITED_S with the queue drained waited for it: later ones wait for an idle stream.
+    Time spent in the garbage collector meanwhile is not the recording's: an object freed there (a
+    cuDNN plan some caller dropped, say) may synchronise the device, and that is said instead."""
     if not _behind_work or nothing_queued(stream):
         return _nothing
     start = time.perf_counter()
+    collecting = _CollectorClock()
+    gc.callbacks.append(collecting)
 
     def done() -> None:
         global _behind_work
+        gc.callbacks.remove(collecting)
         took = time.perf_counter() - start
-        if took > WAITED_S and nothing_queued(stream) and _behind_work:
+        if took <= WAITED_S or not nothing_queued(stream) or not _behind_work:
+            return
+        if took - collecting.total > WAITED_S:
             _behind_work = False
             log.warning("recording a CUDA graph behind queued work waited %.0f ms for the GPU; graphs are "
                         "recorded only on an idle stream from now on", took * 1e3)
+        else:
+            log.warning("a garbage collection during a CUDA graph recording took %.0f ms and the GPU's queue "
+                        "drained meanwhile: an object it freed synchronised the device", collecting.total * 1e3)
     return done
+
+
+class _CollectorClock:
+    """A gc callback adding up the seconds spent in collections (between its "start" and "stop" calls)."""
+
+    __slots__ = ("total", "_began")
+
+    def __init__(self):
+        self.total, self._began = 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.total += time.perf_counter() - self._began
+            self._began = None
 
 
 def _nothing() -> None:

@@ -1,6 +1,9 @@
-"""Float64 references through torch for the GPU tests (torch is the oracle on the GPU host)."""
+"""Float64 references through torch for the GPU tests (torch is the oracle on the GPU host), and the
+queued-sleep harness the no-synchronisation tests share."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -78,3 +81,17 @@ def rel_err(got, ref) -> float:
     if torch.isnan(got).any():
         return float("inf")
     return float((got - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def queued_calls(fn, n):
+    """`fn` called n times behind ~1 s of queued GPU work: (host seconds, GPU still busy after, ms per call)."""
+    start = time.perf_counter()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU time, queued ahead of every call
+    ends = []
+    for _ in range(n):
+        fn()
+        ends.append(time.perf_counter())
+    host_s = time.perf_counter() - start
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return host_s, busy, " ".join(f"{(b - a) * 1e3:.1f}" for a, b in zip([start, *ends], ends))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from gpu_launch import replay  # noqa: E402
 from cudnn_graphs import BufferMismatchError, ConvBwdDataRequest, ConvFwdRequest  # noqa: E402
 
 from . import gpu_reference as ref  # noqa: E402
+from .collector import cyclic_garbage  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CL = torch.channels_last
@@ -85,24 +87,10 @@ def test_no_device_synchronisation_on_any_call_path(session):
     gc.collect()  # earlier tests let plans go on purpose (resident.forget): not this test's business
     torch.cuda.synchronize()
     for name, fn in calls.items():
-        host_s, busy, per_call = _queued_calls_ms(fn, 20)
+        host_s, busy, per_call = ref.queued_calls(fn, 20)
         assert busy and host_s < 0.25, (f"{name}: 20 calls took {host_s:.3f} s of host time and the GPU "
                                         f"{'was still busy' if busy else 'drained: a call synchronised'}; "
                                         f"ms per call: {per_call}")
-
-
-def _queued_calls_ms(fn, n):
-    """`fn` called n times behind ~1 s of queued GPU work: (host seconds, GPU still busy after, ms per call)."""
-    start = time.perf_counter()
-    torch.cuda._sleep(int(2e9))  # about a second of GPU time, queued ahead of every call
-    ends = []
-    for _ in range(n):
-        fn()
-        ends.append(time.perf_counter())
-    host_s = time.perf_counter() - start
-    busy = not torch.cuda.current_stream().query()
-    torch.cuda.synchronize()
-    return host_s, busy, " ".join(f"{(b - a) * 1e3:.1f}" for a, b in zip([start, *ends], ends))
 
 
 def _graphs_recorded():
@@ -120,7 +108,7 @@ def test_graphs_are_recorded_behind_queued_work_without_waiting_for_it(monkeypat
     torch.cuda.synchronize()
     before = _graphs_recorded()
     for name, fn in calls.items():
-        host_s, busy, per_call = _queued_calls_ms(fn, 10)
+        host_s, busy, per_call = ref.queued_calls(fn, 10)
         assert busy and host_s < 0.25, (f"{name}: 10 calls (the second records) took {host_s:.3f} s of host "
                                         f"time; GPU {'still busy' if busy else 'drained'}; ms per call: {per_call}")
     assert replay._behind_work, "a recording waited for queued work"
@@ -392,3 +380,25 @@ def test_graph_replays_compute_what_direct_runs_compute_with_fresh_buffers_each_
                 assert ref.rel_err(entry[role], direct[role].double()) < 1e-3, (case, seed, role)
     assert launcher.replays >= 4, (case, launcher.replays)
     print(case, "re-pointed" if launcher._patched else "per-set graphs", launcher.captures)
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "autotune"])
+def test_planning_leaves_no_cudnn_object_to_the_garbage_collector(tmp_path, policy):
+    """Freeing a cuDNN plan can wait for the whole GPU (tools/probe_sync_sources.py), and the garbage
+    collector frees what reference cycles hold at whatever later call it runs in: a training step, behind
+    a full queue. So planning, with the graphs it tries and drops (fused first, a depthwise conv unfused
+    first, autotune's candidates), must leave no cuDNN object to the collector."""
+    specs = list(_graph_cases().values())
+    specs.append(cg.ConvFwdSpec((4, 32, 12, 12), (32, 1, 3, 3), padding=1, groups=32, dtype="float16",
+                                layout="channels_last", bias=True, activation="gelu"))
+    gc.collect()
+    session = cg.Session(cache=tmp_path, policy=policy, autotune_limit=4)
+    logging.disable(logging.CRITICAL)  # pytest keeps log records, and through them what they name
+    try:
+        plans = [session.plan(spec) for spec in specs]
+    finally:
+        logging.disable(logging.NOTSET)
+    assert len(plans) == len(specs)
+    del session, plans
+    left = cyclic_garbage("cudnn.", "cudnn_graphs.", "gpu_launch.")
+    assert not left, f"planning left these to the garbage collector: {left}"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 
 import pytest
 
 from cudnn_graphs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, UnsupportedGraphError, build_graph
 from cudnn_graphs.graph import ROLE_UIDS, cudnn_dims
+
+from .collector import cyclic_garbage
 
 ACTS = [None, "relu", ("leaky_relu", 0.2), "elu", ("elu", 0.5), "gelu", "gelu_tanh", "silu", "sigmoid",
         "tanh", "softplus", ("softplus", 2.0)]
@@ -170,3 +173,35 @@ def test_validate_failure_is_unsupported_graph_error(monkeypatch):
     with pytest.raises(UnsupportedGraphError) as err:
         build_graph(spec)
     assert err.value.spec == spec and "cudnn says no" in err.value.message
+
+
+def test_a_declined_graph_is_freed_when_dropped_not_left_to_the_garbage_collector():
+    """FE keeps the backend's decline on the graph, its traceback holding the graph's frames: a cycle.
+    Freed by a later collection, a graph with plans can wait for the whole GPU in a hot loop."""
+    import gc
+
+    from cudnn_graphs.graph import frontend
+
+    spec = ConvFwdSpec((2, 8, 7, 7), (8, 1, 3, 3), padding=1, groups=8, dtype="float16", layout="channels_last",
+                       bias=True, activation="gelu")
+    gc.collect()
+
+    def decline(release: bool) -> bool:
+        g = build_graph(spec, fused=False).parts[0].graph
+        logging.disable(logging.CRITICAL)  # pytest keeps log records, and through them the declines
+        try:
+            g.build_plans()
+        except Exception:  # a decline here: no GPU, or no engine
+            pass
+        finally:
+            logging.disable(logging.NOTSET)
+        declined = getattr(g, "_backend_declined", None) is not None
+        if release:
+            frontend.release_declines(g)
+        return declined
+
+    if not decline(release=False):
+        pytest.skip("this frontend keeps no decline on the graph here")
+    assert cyclic_garbage("cudnn.", "cudnn_graphs."), "the cycle this guards against did not form: the test proves nothing"
+    decline(release=True)
+    assert not cyclic_garbage("cudnn.", "cudnn_graphs.")

@@ -89,3 +89,51 @@ def test_a_refused_recording_keeps_the_calls_direct_for_good(stand_in):
     for _ in range(4):
         rep((256,), 7, False)
     assert [entry[0] for entry in log] == ["direct"] * 4 and not rep.enabled and not rep.graphs
+
+
+def _slow_collection(seconds: float):
+    """A gc callback (appended after watch's clock) that makes each collection take `seconds`."""
+    import time
+
+    def slow(phase, info):
+        if phase == "start":
+            time.sleep(seconds)
+    return slow
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """(state, done): a watch started behind queued work on a stand-in stream (state["idle"] drains it)."""
+    state = {"idle": False}
+    monkeypatch.setattr(replay.driver, "stream_idle", lambda stream: state["idle"])
+    monkeypatch.setattr(replay, "_behind_work", True)
+    monkeypatch.setattr(replay, "WAITED_S", 0.02)
+    return state, replay.watch(7)
+
+
+def test_a_wait_inside_a_garbage_collection_is_not_blamed_on_the_recording(watched, caplog):
+    import gc
+
+    state, done = watched
+    slow = _slow_collection(0.05)
+    gc.callbacks.append(slow)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(slow)
+    state["idle"] = True  # the queue drained while the collector ran
+    with caplog.at_level("WARNING", logger="cudnn_graphs"):
+        done()
+    assert replay._behind_work and "garbage collection" in caplog.text
+    assert not any(isinstance(cb, replay._CollectorClock) for cb in gc.callbacks)
+
+
+def test_a_wait_outside_the_collector_turns_recording_behind_work_off(watched, caplog):
+    import time
+
+    state, done = watched
+    time.sleep(0.05)
+    state["idle"] = True
+    with caplog.at_level("WARNING", logger="cudnn_graphs"):
+        done()
+    assert not replay._behind_work and "waited" in caplog.text

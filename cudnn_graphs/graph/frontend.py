@@ -45,6 +45,28 @@ def new_graph(*, io_dtype: str, compute_dtype: str, handle: Any = None, name: st
     )
 
 
+def release_declines(graph: Any) -> None:
+    """Break the reference cycle FE 1.28 leaves on a graph the backend declined anything for: the graph
+    keeps that exception (`_backend_declined`), whose traceback holds the graph's own frames and, once
+    re-raised through ours, our callers' (a session, its scratch buffers). Such a graph, and all of that,
+    then waits for the garbage collector, which frees it at whatever later call it runs in: freeing a
+    cuDNN plan can wait for the whole GPU, and autotune's scratch stayed alive until then."""
+    exc = getattr(graph, "_backend_declined", None)
+    if isinstance(exc, BaseException):
+        clear_tracebacks(exc)
+
+
+def clear_tracebacks(exc: BaseException) -> None:
+    """Drop the frames held by `exc` and the exceptions chained to it (keeping their messages)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        if exc.__cause__ is not None:
+            clear_tracebacks(exc.__cause__)
+        exc = exc.__context__
+
+
 def wrap_handle(raw: int, device: int, stream: int | None) -> Any:
     """The frontend's handle object for a backend cudnnHandle_t made elsewhere (FE >= 1.28 wants a
     `cudnn.Handle`, as it documents for foreign handles; older ones take the int itself)."""

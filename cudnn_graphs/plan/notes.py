@@ -40,8 +40,15 @@ def probe(new_graph: Callable[[], Any], *, index: int, engine: str,
 
 def _has_note(new_graph: Callable[[], Any], note: Any, *, index: int, engine: str,
               modes: tuple[str, ...]) -> bool | None:
-    fe = frontend.cudnn()
     g = new_graph()
+    try:
+        return _probe_note(g, note, index=index, engine=engine, modes=modes)
+    finally:
+        frontend.release_declines(g)  # a probe graph is dropped: leave no cycle for the collector
+
+
+def _probe_note(g: Any, note: Any, *, index: int, engine: str, modes: tuple[str, ...]) -> bool | None:
+    fe = frontend.cudnn()
     g.build_operation_graph()
     g.create_execution_plans([getattr(fe.heur_mode, m) for m in modes])
     if g.get_execution_plan_count() <= index or g.get_plan_name_at_index(index) != engine:

@@ -11,6 +11,7 @@ Session finds the plans an earlier one loaded without reading the disk.
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -64,7 +65,9 @@ def count() -> int:
 
 def forget() -> None:
     """Let go of every held plan (tests and tools that measure loads from disk). Plans no session
-    references any more are destroyed, which can wait for the GPU: never call this on a hot path."""
+    references any more are destroyed now (a garbage collection), which can wait for the GPU: never
+    call this on a hot path."""
     with _lock:
         _plans.clear()
         _displaced.clear()
+    gc.collect()  # plans sit in reference cycles: destroy them here, not in a later hot loop's collection

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 import time
@@ -202,6 +203,8 @@ class Session:
             self._memory.clear()
             self._calls.clear()
         resident.drop(plans)
+        del plans
+        gc.collect()  # plans sit in reference cycles: destroy them here, not in a later hot loop's collection
 
     def _count(self, name: str, amount: float = 1) -> None:
         with self._lock:  # loads run on several threads (prefetch): no lost updates
@@ -356,6 +359,7 @@ class Session:
                 except Exception as err:  # cuDNN declines with several exception types
                     failures.append(f"{'fused' if fused else 'unfused'}: {err}")
                     log.info("no plan for %s (%s): %s", spec.op, "fused" if fused else "unfused", err)
+                    frontend.clear_tracebacks(err)  # its frames hold this session: no cycle for the collector
                     continue
                 return self._new_plan(spec, key, fused=build.fused, parts=parts, intermediates=build.intermediates,
                                       acc_dtype=_acc_dtype(build), build_ms=(time.perf_counter() - start) * 1e3,
@@ -431,18 +435,36 @@ class Session:
         with driver.device(self.device):
             build = build_graph(spec, fused=bool(meta["fused"]), handle=self.handle, acc_dtype=meta.get("acc_dtype"))
             g = build.parts[i].graph
-            g.build_operation_graph()
-            g.create_execution_plan(int(entry["engine_id"]), frontend.knobs_from_names(entry["knobs"]))
-            index = g.get_execution_plan_count() - 1
-            g.build_plan_at_index(index)
-            if int(g.get_workspace_size_plan_at_index(index)) != int(entry["workspace_size"]):
-                raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
+            try:
+                return self._rebuild_part(g, entry)
+            finally:
+                for part in build.parts:
+                    frontend.release_declines(part.graph)
+
+    @staticmethod
+    def _rebuild_part(g, entry: dict) -> tuple[Any, int]:
+        g.build_operation_graph()
+        g.create_execution_plan(int(entry["engine_id"]), frontend.knobs_from_names(entry["knobs"]))
+        index = g.get_execution_plan_count() - 1
+        g.build_plan_at_index(index)
+        if int(g.get_workspace_size_plan_at_index(index)) != int(entry["workspace_size"]):
+            raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
         return g, index
 
     def _plan_build(self, spec, fused: bool, buffers: dict | None = None):
         """Plan every graph of a build; an unfused epilogue cuDNN cannot plan becomes our kernel."""
+        builds: list = []
+        try:
+            return self._plan_build_parts(spec, fused, buffers, builds)
+        finally:
+            for build in builds:  # kept or dropped, no graph may hold a cycle for the collector
+                for part in build.parts:
+                    frontend.release_declines(part.graph)
+
+    def _plan_build_parts(self, spec, fused: bool, buffers: dict | None, builds: list):
         acc_dtype = spec.dtype if not fused and _depthwise_fwd(spec) else None  # as torch: see _fusion_order
         build = build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype)
+        builds.append(build)
         try:
             conv = self._plan_part(build, 0, acc_dtype, buffers)
         except Exception:
@@ -451,6 +473,7 @@ class Session:
             # No engine writes the conv in compute precision: let it write the io dtype, as PyTorch does.
             acc_dtype = spec.dtype
             build = build_graph(spec, fused=False, handle=self.handle, acc_dtype=acc_dtype)
+            builds.append(build)
             conv = self._plan_part(build, 0, acc_dtype, buffers)
         parts = [conv]
         for i, part in enumerate(build.parts[1:], start=1):
