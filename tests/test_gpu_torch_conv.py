@@ -246,12 +246,23 @@ def test_autocast_runs_in_the_autocast_dtype_like_torch(dtype):
     theirs = torch.nn.Conv2d(8, 8, 3, padding=1).cuda()
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 8, 10, 10, device="cuda")
+    xo, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     with torch.autocast("cuda", dtype=dtype):
-        y, want = ours(x), theirs(x)
+        y, want = ours(xo), theirs(xt)
     assert y.dtype == want.dtype == dtype
     assert ref.rel_err(y, want.double()) < TOL[dtype]
-    y.float().sum().backward()
-    assert ours.weight.grad.dtype == torch.float32
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    want.backward(dy)
+    # The casts run inside our Function: each gradient still comes back in its input's dtype, as torch's.
+    for got, expect in ((xo.grad, xt.grad), (ours.weight.grad, theirs.weight.grad), (ours.bias.grad, theirs.bias.grad)):
+        assert got.dtype == expect.dtype == torch.float32
+        assert ref.rel_err(got, expect.double()) < TOL[dtype]
+    z = torch.randn(2, 8, 10, 10, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=dtype):
+        y = ours(x, residual=z)
+    y.backward(dy)
+    assert z.grad.dtype == torch.float32 and ref.rel_err(z.grad, dy.double()) < TOL[dtype]
 
 
 def test_deterministic_mode_is_bit_identical():

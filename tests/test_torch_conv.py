@@ -110,3 +110,12 @@ def test_equal_arguments_share_one_config_whatever_their_spelling():
     gelu = _conv._config(2, 1, "same", 1, 1, "gelu", 1.0, (4, 4))
     assert gelu.padding == (1, 2, 1, 2) and gelu.pre.act == "identity"  # gelu's gradient needs the pre-activation
     assert _conv._config(2, 2, 1, 1, 1, None, 1.0, ()) is not a
+
+
+def test_autocast_casts_as_torch_does_and_passes_a_tensor_already_in_the_dtype_as_is():
+    from cudnn_graphs.torch import _conv
+
+    x16, w32, b64 = torch.ones(2, dtype=torch.float16), torch.ones(2), torch.ones(2, dtype=torch.float64)
+    got = _conv._autocast((x16, w32, b64, None), torch.float16)
+    assert got[0] is x16 and got[1].dtype == torch.float16 and got[2] is b64 and got[3] is None
+    assert [t.dtype for t in _conv._autocast((x16, w32), torch.bfloat16)] == [torch.bfloat16] * 2

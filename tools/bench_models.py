@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,6 +63,26 @@ def _train_step(model, opt, x, target):
         return loss
 
     return step
+
+
+def train_setup(name: str, batch: int) -> SimpleNamespace:
+    """AMP training (SGD) of torchvision's `name` and of its `convert`ed copy from one initialisation,
+    channels_last, batch `batch`, torch's cudnn.benchmark on: `.steps` {"torch": step, "ours": step},
+    `.theirs` / `.ours` the models, `.x` / `.target` the batch."""
+    import torch
+    import torchvision
+
+    import cudnn_graphs.torch as cgt
+
+    torch.backends.cudnn.benchmark = True
+    cl = torch.channels_last
+    base = getattr(torchvision.models, name)(weights=None).cuda().to(memory_format=cl)
+    x = torch.randn(batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
+    target = torch.randint(0, 1000, (batch,), device="cuda")
+    theirs, ours = copy.deepcopy(base), cgt.convert(copy.deepcopy(base))
+    steps = {"torch": _train_step(theirs, torch.optim.SGD(theirs.parameters(), lr=1e-4), x, target),
+             "ours": _train_step(ours, torch.optim.SGD(ours.parameters(), lr=1e-4), x, target)}
+    return SimpleNamespace(steps=steps, theirs=theirs, ours=ours, x=x, target=target)
 
 
 def bench_model(name: str, args) -> dict:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import cProfile
 import io
 import json
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_models import _train_step  # noqa: E402
+from bench_models import train_setup  # noqa: E402
 from probe_call_path import host_us  # noqa: E402  (100 calls: a fwd+bwd's launches must not fill the queue)
 
 
@@ -77,7 +76,7 @@ def part_layer() -> dict:
         "_fwd_eager": lambda: _conv._fwd_eager(cfg, x, w, None, None),
         "noop autograd.Function.apply (11 args)": lambda: Noop.apply(x, wr, None, None, *flat, "identity", 0.0, 1.0),
         "_ConvFunction (C apply)": lambda: _conv._function(x, wr, None, None, cfg),
-        "_ConvFunction.apply": lambda: _conv._ConvFunction.apply(x, wr, None, None, cfg),
+        "_ConvFunction.apply": lambda: _conv._ConvFunction.apply(x, wr, None, None, cfg, None),
         "cgt.conv2d (w requires grad)": lambda: cgt.conv2d(x, wr, padding=1),
         "Conv2d module forward (training)": lambda: conv(x),
         "torch F.conv2d (w requires grad)": lambda: F.conv2d(x, wr, padding=1),
@@ -152,22 +151,14 @@ def _op_tables(steps: dict) -> None:
 
 def part_model(model_name: str, batch: int, ops: bool = False) -> dict:
     import torch
-    import torchvision
 
-    import cudnn_graphs.torch as cgt
     from cudnn_graphs import api, requests
     from cudnn_graphs.plan import launcher
     from cudnn_graphs.torch import _conv
     from gpu_launch import driver
 
-    torch.backends.cudnn.benchmark = True
-    cl = torch.channels_last
-    base = getattr(torchvision.models, model_name)(weights=None).cuda().to(memory_format=cl)
-    x = torch.randn(batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
-    target = torch.randint(0, 1000, (batch,), device="cuda")
-    theirs, ours = copy.deepcopy(base), cgt.convert(copy.deepcopy(base))
-    steps = {"torch": _train_step(theirs, torch.optim.SGD(theirs.parameters(), lr=1e-4), x, target),
-             "ours": _train_step(ours, torch.optim.SGD(ours.parameters(), lr=1e-4), x, target)}
+    setup = train_setup(model_name, batch)
+    steps, theirs, ours, x, target = setup.steps, setup.theirs, setup.ours, setup.x, setup.target
     for _ in range(4):
         for step in steps.values():
             step()
