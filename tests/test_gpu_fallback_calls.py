@@ -174,7 +174,15 @@ def test_deterministic_scan_over_many_tiles():
     F.grid_sample(x64, g64, align_corners=False).backward(go.double())
     # float32 coordinates on a 2100-pixel axis are off by ~1e-4 pixel (torch's kernel alike: measured 7e-5
     # here); a wrong offset would put contributions on other pixels, an error of order 1.
-    assert _rel(gi, x64.grad) < 5e-4 and _rel(gg, g64.grad) < 5e-4, (_rel(gi, x64.grad), _rel(gg, g64.grad))
+    assert _rel(gi, x64.grad) < 5e-4, _rel(gi, x64.grad)
+    # That error puts a point within ~2e-4 pixel of a cell boundary in the neighbouring cell in 15 % of
+    # such grids, and its grad_grid is then another difference of pixels entirely: torch's own float32
+    # kernel (CPU) then misses float64 by 2e-2 to 5e-2 over all of grad_grid, as ours did in 2 of 4 runs.
+    # Compare the points whose cell float32 cannot mistake (torch's kernel: 5e-5 there).
+    pixel = ((g64.detach() + 1) * 2100 - 1) / 2
+    clear = ((pixel - pixel.round()).abs() > 1e-3).all(dim=-1, keepdim=True).expand_as(gg)
+    assert clear.float().mean() > 0.99
+    assert _rel(gg[clear], g64.grad[clear]) < 5e-4, _rel(gg[clear], g64.grad[clear])
 
 
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh"])
