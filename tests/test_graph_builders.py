@@ -205,3 +205,19 @@ def test_a_declined_graph_is_freed_when_dropped_not_left_to_the_garbage_collecto
     assert cyclic_garbage("cudnn.", "cudnn_graphs."), "the cycle this guards against did not form: the test proves nothing"
     decline(release=True)
     assert not cyclic_garbage("cudnn.", "cudnn_graphs.")
+
+
+def test_clear_tracebacks_follows_causes_and_contexts_even_round_a_loop():
+    from cudnn_graphs.graph import frontend
+
+    def raised(make):
+        try:
+            make()
+        except Exception as err:  # noqa: BLE001 - the exception itself is what this test inspects
+            return err
+
+    first = raised(lambda: 1 / 0)
+    second = raised(lambda: (_ for _ in ()).throw(ValueError("second")))
+    second.__cause__, first.__context__ = first, second  # a loop no raise would make, but a caller can
+    frontend.clear_tracebacks(second)
+    assert first.__traceback__ is None and second.__traceback__ is None and str(second) == "second"

@@ -59,12 +59,14 @@ def release_declines(graph: Any) -> None:
 def clear_tracebacks(exc: BaseException) -> None:
     """Drop the frames held by `exc` and the exceptions chained to it (keeping their messages)."""
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
+    pending = [exc]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:  # a chain may loop back on itself
+            continue
         seen.add(id(exc))
         exc.__traceback__ = None
-        if exc.__cause__ is not None:
-            clear_tracebacks(exc.__cause__)
-        exc = exc.__context__
+        pending += [exc.__cause__, exc.__context__]
 
 
 def wrap_handle(raw: int, device: int, stream: int | None) -> Any:
