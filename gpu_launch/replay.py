@@ -12,7 +12,9 @@ took 1-2 ms of host time and a ResNet-50 conv plan 0.75-4 ms, the GPU still busy
 (`tools/probe_grid_sample_host.py`, `tools/probe_record_behind_work.py`; the GPU tests record behind a
 queued sleep), so a training loop that never lets its stream idle still gets its graphs. Should one
 recording behind queued work ever wait for it (an earlier launcher policy saw that once), `watch()` turns
-recording behind work off for the process: later recordings wait for an idle stream, as they once all did.
+recording behind work off for the process: later recordings wait for an idle stream, as they once all
+did. A wait inside a garbage collection is the collector's, not the recording's (a full suite run saw one
+free earlier tests' plans mid-recording): it is logged and changes nothing.
 While the caller's stream is being captured (`torch.cuda.graph`), calls run directly and their launches
 land in the caller's graph.
 """
@@ -136,7 +138,8 @@ def watch(stream: int) -> Callable[[], None]:
 
     def done() -> None:
         global _behind_work
-        gc.callbacks.remove(collecting)
+        if collecting in gc.callbacks:  # unless someone emptied the list meanwhile
+            gc.callbacks.remove(collecting)
         took = time.perf_counter() - start
         if took <= WAITED_S or not nothing_queued(stream) or not _behind_work:
             return
