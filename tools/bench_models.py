@@ -232,6 +232,13 @@ def plot(results: list[dict], path: Path, *, title: str = "") -> None:
     fig.savefig(path, dpi=120)
 
 
+def _summary(results: list[dict], args, *, device: str, torch_version: str, complete: bool) -> dict:
+    return {"device": device, "torch": torch_version, "models": results, "complete": complete,
+            "policy": args.policy, "autotune_limit": args.autotune_limit if args.policy == "autotune" else None,
+            "train_geomean": statistics.geometric_mean([r["train_speedup"] for r in results]),
+            "infer_geomean": statistics.geometric_mean([r["infer_speedup"] for r in results])}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
@@ -255,6 +262,8 @@ def main(argv=None) -> int:
         plot(stored["models"], args.plot or args.plot_from.with_suffix(".png"),
              title=f"{stored.get('device', '')}, torch {stored.get('torch', '')}: AMP fp16, channels_last")
         return 0
+    if not args.models:
+        p.error("--models: name at least one model")
     import torch
 
     torch.backends.cudnn.benchmark = True
@@ -262,15 +271,14 @@ def main(argv=None) -> int:
         from cudnn_graphs.plan import session as sessions
 
         sessions._sessions[0] = sessions.Session(device=0, policy="autotune", autotune_limit=args.autotune_limit)
-    results = [bench_model(name, args) for name in args.models]
-    speed = [r["train_speedup"] for r in results]
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": results,
-               "policy": args.policy, "autotune_limit": args.autotune_limit if args.policy == "autotune" else None,
-               "train_geomean": statistics.geometric_mean(speed),
-               "infer_geomean": statistics.geometric_mean([r["infer_speedup"] for r in results])}
+    results: list[dict] = []
+    for name in args.models:  # the JSON is rewritten after each model: a run cut short keeps what it measured
+        results.append(bench_model(name, args))
+        summary = _summary(results, args, device=torch.cuda.get_device_name(), torch_version=torch.__version__,
+                           complete=len(results) == len(args.models))
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=1))
     print(f"geo-mean speedup: training {summary['train_geomean']:.2f}x, inference {summary['infer_geomean']:.2f}x")
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=1))
     if args.plot:
         plot(results, args.plot, title=f"{summary['device']}, torch {summary['torch']}: AMP fp16, channels_last")
     return 0
