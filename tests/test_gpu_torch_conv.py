@@ -254,7 +254,7 @@ def test_autocast_runs_in_the_autocast_dtype_like_torch(dtype):
     dy = torch.randn_like(y)
     y.backward(dy)
     want.backward(dy)
-    # The casts run inside our Function: each gradient still comes back in its input's dtype, as torch's.
+    # Each gradient comes back in its input's dtype, through the casts' own autograd nodes, as torch's.
     for got, expect in ((xo.grad, xt.grad), (ours.weight.grad, theirs.weight.grad), (ours.bias.grad, theirs.bias.grad)):
         assert got.dtype == expect.dtype == torch.float32
         assert ref.rel_err(got, expect.double()) < TOL[dtype]

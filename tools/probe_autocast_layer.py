@@ -4,9 +4,7 @@ beside torch's (32x128x28x28 fp16 input, fp32 channels_last 3x3 weight as AMP tr
     python3 tools/probe_autocast_layer.py [--out probe.json]
 
 Host us per call with the GPU held busy (tools/probe_call_path.host_us); the CUDA kernels one
-fwd+bwd launches, ours and torch's; the layout of the weight gradient each leaves in .grad. The two
-"A/B" cases time autocast's cast outside our autograd Function (as before 2026-11-25) and inside it
-(as now) in one process (not yet run: the session's device time ran out first).
+fwd+bwd launches, ours and torch's; the layout of the weight gradient each leaves in .grad.
 """
 
 from __future__ import annotations
@@ -86,22 +84,7 @@ def main() -> int:
 
     from cudnn_graphs.torch import _conv
 
-    cfg = _conv._config(2, 1, 1, 1, 1, None, 1.0, ())
-
-    def cast_outside():  # the layer as it ran before 2026-11-25: autocast's cast as an autograd node of its own
-        with torch.autocast("cuda", dtype=torch.float16):
-            x16, w16, _, _ = _conv._autocast((xr, w32, None, None), torch.float16)
-            y = _conv._function(x16, w16, None, None, cfg, None)
-        torch.autograd.backward(y, dy)
-
-    def cast_inside():  # as Conv2d runs it now: the cast inside our Function, no node of its own
-        with torch.autocast("cuda", dtype=torch.float16):
-            y = _conv._function(xr, w32, None, None, cfg, torch.float16)
-        torch.autograd.backward(y, dy)
-
     cases = {
-        "A/B autocast fwd+bwd, cast outside the Function": cast_outside,
-        "A/B autocast fwd+bwd, cast inside the Function": cast_inside,
         "fwd, ours functional, one fp16 weight": lambda: cgt.conv2d(xr, ws[0], padding=1),
         "fwd, torch functional, one fp16 weight": lambda: torch.nn.functional.conv2d(xr, ws[0], padding=1),
         "fwd, ours functional, 4 fp16 weights rotating": rotating(cgt.conv2d),

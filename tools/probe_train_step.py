@@ -76,7 +76,7 @@ def part_layer() -> dict:
         "_fwd_eager": lambda: _conv._fwd_eager(cfg, x, w, None, None),
         "noop autograd.Function.apply (11 args)": lambda: Noop.apply(x, wr, None, None, *flat, "identity", 0.0, 1.0),
         "_ConvFunction (C apply)": lambda: _conv._function(x, wr, None, None, cfg),
-        "_ConvFunction.apply": lambda: _conv._ConvFunction.apply(x, wr, None, None, cfg, None),
+        "_ConvFunction.apply": lambda: _conv._ConvFunction.apply(x, wr, None, None, cfg),
         "cgt.conv2d (w requires grad)": lambda: cgt.conv2d(x, wr, padding=1),
         "Conv2d module forward (training)": lambda: conv(x),
         "torch F.conv2d (w requires grad)": lambda: F.conv2d(x, wr, padding=1),

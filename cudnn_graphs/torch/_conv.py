@@ -592,16 +592,8 @@ torch.library.register_autograd("cudnn_graphs::conv_bwd_filter", _backward_bwd_f
 # traces the registered ops instead.
 
 class _ConvFunction(torch.autograd.Function):
-    """The conv with its autocast casts inside (`cast`: autocast's dtype, or None): the casts record no
-    autograd node of their own, and the backward hands each gradient back in its input's dtype, as the
-    ToCopyBackward nodes of autocast's casts would (one node a layer instead of two or three)."""
-
     @staticmethod
-    def forward(ctx, x, w, bias, z, cfg, cast):
-        ctx.dtypes = None
-        if cast is not None:
-            ctx.dtypes = (x.dtype, w.dtype, None if bias is None else bias.dtype, None if z is None else z.dtype)
-            x, w, bias, z = _autocast((x, w, bias, z), cast)
+    def forward(ctx, x, w, bias, z, cfg):
         y = _fwd_eager(cfg, x, w, bias, z)
         _save(ctx, cfg, x, w, bias, y)
         return y
@@ -609,12 +601,8 @@ class _ConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if torch.is_grad_enabled():  # create_graph: gradients of gradients go through the registered ops
-            grads = _backward(ctx, dy, _dgrad_op, _wgrad_op)
-        else:
-            grads = _backward(ctx, dy, _dgrad_eager, _wgrad_eager)
-        if ctx.dtypes is not None:
-            grads = tuple(g if g is None or g.dtype is d else g.to(d) for g, d in zip(grads, ctx.dtypes))
-        return *grads, None, None
+            return *_backward(ctx, dy, _dgrad_op, _wgrad_op), None
+        return *_backward(ctx, dy, _dgrad_eager, _wgrad_eager), None
 
 
 # Function.apply's Python layer (functorch checks, then unwrapping dead functorch wrappers) costs as much
@@ -623,11 +611,11 @@ _apply_c = super(torch.autograd.Function, _ConvFunction).apply
 _unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
 
 
-def _function(x, w, bias, z, cfg: _Config, cast: torch.dtype | None = None):
+def _function(x, w, bias, z, cfg: _Config):
     if _unwrap_if_dead is None or torch._C._are_functorch_transforms_active():
-        return _ConvFunction.apply(x, w, bias, z, cfg, cast)
+        return _ConvFunction.apply(x, w, bias, z, cfg)
     return _apply_c(_unwrap_if_dead(x), _unwrap_if_dead(w), None if bias is None else _unwrap_if_dead(bias),
-                    None if z is None else _unwrap_if_dead(z), cfg, cast)
+                    None if z is None else _unwrap_if_dead(z), cfg)
 
 
 # -- the functional API --------------------------------------------------------------------------------
@@ -641,21 +629,20 @@ def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activ
 def _run(cfg: _Config, x, w, bias, z):
     """act(conv(x, w) + bias + beta * z) through the registered op (compiling), our autograd Function
     (a gradient is needed) or straight to the kernels."""
-    # As torch's conv, run in the autocast dtype; the autograd Function casts inside itself (see there).
-    cast = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else None
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as torch's conv: run in the autocast dtype
+        # (as their own autograd nodes: casting inside our Function would cut the casts out of a double
+        # backward's graph)
+        x, w, bias, z = _autocast((x, w, bias, z), torch.get_autocast_dtype("cuda"))
     grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
                                          or (z is not None and z.requires_grad))
     compiling = torch.compiler.is_compiling()
-    if cast is not None and (compiling or not grads):  # no Function of ours to cast inside: cast here
-        x, w, bias, z = _autocast((x, w, bias, z), cast)
-        cast = None
     if not (grads or compiling):
         return _fwd_eager(cfg, x, w, bias, z)
     conv = cfg.pre if grads and cfg.pre is not None else cfg  # the backward needs the pre-activation: keep it
     if compiling:
         y = torch.ops.cudnn_graphs.conv_fwd(x, w, bias, z, *conv.flat, *conv.op_act)
     else:
-        y = _function(x, w, bias, z, conv, cast)
+        y = _function(x, w, bias, z, conv)
     return y if conv is cfg else cfg.activate(y)
 
 
@@ -671,7 +658,8 @@ _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 def _autocast(tensors: tuple, dtype: torch.dtype) -> tuple:
     """The tensors in the autocast dtype, as autocast casts conv inputs: float64 stays float64. One
-    already in it passes as is: a `.to` that changes nothing still cost ~3 us (H100 host)."""
+    already in it passes as is: `.to` calls that changed nothing took ~11 us of a layer's forward (H100
+    host, tools/probe_autocast_layer.py)."""
     return tuple(t if t is None or t.dtype is dtype or t.dtype not in _CASTABLE else t.to(dtype) for t in tensors)
 
 
