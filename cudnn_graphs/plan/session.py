@@ -436,35 +436,20 @@ class Session:
             build = build_graph(spec, fused=bool(meta["fused"]), handle=self.handle, acc_dtype=meta.get("acc_dtype"))
             g = build.parts[i].graph
             try:
-                return self._rebuild_part(g, entry)
-            finally:
-                for part in build.parts:
-                    frontend.release_declines(part.graph)
-
-    @staticmethod
-    def _rebuild_part(g, entry: dict) -> tuple[Any, int]:
-        g.build_operation_graph()
-        g.create_execution_plan(int(entry["engine_id"]), frontend.knobs_from_names(entry["knobs"]))
-        index = g.get_execution_plan_count() - 1
-        g.build_plan_at_index(index)
-        if int(g.get_workspace_size_plan_at_index(index)) != int(entry["workspace_size"]):
-            raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
+                g.build_operation_graph()
+                g.create_execution_plan(int(entry["engine_id"]), frontend.knobs_from_names(entry["knobs"]))
+                index = g.get_execution_plan_count() - 1
+                g.build_plan_at_index(index)
+            finally:  # kept or dropped, the graph must hold no cycle for the collector
+                frontend.release_declines(g)
+            if int(g.get_workspace_size_plan_at_index(index)) != int(entry["workspace_size"]):
+                raise RuntimeError("the rebuilt engine needs a different workspace than recorded")
         return g, index
 
     def _plan_build(self, spec, fused: bool, buffers: dict | None = None):
         """Plan every graph of a build; an unfused epilogue cuDNN cannot plan becomes our kernel."""
-        builds: list = []
-        try:
-            return self._plan_build_parts(spec, fused, buffers, builds)
-        finally:
-            for build in builds:  # kept or dropped, no graph may hold a cycle for the collector
-                for part in build.parts:
-                    frontend.release_declines(part.graph)
-
-    def _plan_build_parts(self, spec, fused: bool, buffers: dict | None, builds: list):
         acc_dtype = spec.dtype if not fused and _depthwise_fwd(spec) else None  # as torch: see _fusion_order
         build = build_graph(spec, fused=fused, handle=self.handle, acc_dtype=acc_dtype)
-        builds.append(build)
         try:
             conv = self._plan_part(build, 0, acc_dtype, buffers)
         except Exception:
@@ -473,7 +458,6 @@ class Session:
             # No engine writes the conv in compute precision: let it write the io dtype, as PyTorch does.
             acc_dtype = spec.dtype
             build = build_graph(spec, fused=False, handle=self.handle, acc_dtype=acc_dtype)
-            builds.append(build)
             conv = self._plan_part(build, 0, acc_dtype, buffers)
         parts = [conv]
         for i, part in enumerate(build.parts[1:], start=1):
@@ -492,16 +476,19 @@ class Session:
     def _plan_part(self, build, i: int, acc_dtype: str | None, buffers: dict | None = None) -> PlannedPart:
         spec, part = build.spec, build.parts[i]
         g = part.graph
-        g.build_operation_graph()
         modes = ("A", "B", "FALLBACK") if self.policy == "autotune" else ("A", "FALLBACK")
-        self._rank_plans(g, spec, modes)
-        g.check_support()
         tuned = None
-        if self.policy == "autotune":
-            tuned = self._tune(build, i, g, buffers)
-            index = tuned.index
-        else:
-            index = _build_first(g)
+        try:
+            g.build_operation_graph()
+            self._rank_plans(g, spec, modes)
+            g.check_support()
+            if self.policy == "autotune":
+                tuned = self._tune(build, i, g, buffers)
+                index = tuned.index
+            else:
+                index = _build_first(g)
+        finally:  # kept or dropped, the graph must hold no cycle for the collector
+            frontend.release_declines(g)
         engine_id, knobs = g.get_engine_and_knobs_at_index(index)
         engine = g.get_plan_name_at_index(index)
 
