@@ -30,7 +30,7 @@ def name_expressions() -> list[str]:
     for io, (t, a) in CTYPES.items():
         for c in sorted({a, t}):
             names += [f"{k}<{t}, {a}, {c}>" for k in KERNELS]
-        names += [f"bias_grad<{t}, {a}>", f"bias_grad_rows<{t}, {a}>"]
+        names += [f"bias_grad<{t}, {a}>", f"bias_grad_chunks<{t}, {a}>"]
     return names
 
 
@@ -53,10 +53,12 @@ def _meta(shape, *strides_per_tensor) -> _Meta:
 
 @dataclass
 class KernelPart:
-    """A non-cuDNN step of a plan: one kernel launch reading and writing role buffers.
+    """A non-cuDNN step of a plan: one kernel, launched once or more, reading and writing role buffers.
 
-    `args` are the kernel's arguments in order: a role name (that buffer's pointer, given per call)
-    or a ctypes value. The cubin travels in the plan's record, so a warm process only loads it.
+    `args` are the kernel's arguments in order: a role name (that buffer's pointer, given per call),
+    "workspace" (the plan's workspace, `workspace_size` bytes of it) or a ctypes value. `then` holds
+    further launches of the same kernel, (grid, block, args) each, run in order after the first.
+    The cubin travels in the plan's record, so a warm process only loads it.
     """
 
     name: str
@@ -68,6 +70,7 @@ class KernelPart:
     grid: int
     block: int | tuple[int, int]
     args: tuple = field(repr=False)
+    then: tuple = field(default=(), repr=False)
     workspace_size: int = 0
     behavior_notes: tuple[str, ...] = ()
     numerical_notes: tuple[str, ...] = ()
@@ -77,38 +80,44 @@ class KernelPart:
                handles: Any) -> Any:
         """`run(ptrs)` launching the kernel on `stream_ptr`, `ptrs[slots[role]]` being a role's pointer
         in this call and `fixed` holding the rest (scratch). Arguments are packed once, here."""
-        values, patch = [], []
-        for arg in self.args:
-            if isinstance(arg, str):
-                value = ctypes.c_uint64(fixed.get(arg, 0))
-                if arg in slots:
-                    patch.append((value, slots[arg]))
-            else:
-                value = type(arg).from_buffer_copy(arg)
-            values.append(value)
         fn = driver.function(self.cubin, self.function_name, self.device)
-        kernel = driver.Kernel(fn, grid=self.grid, block=self.block, args=values, ordinal=self.device)
-        launch, patch = kernel.launch, tuple(patch)
+        launches, patch, fixed = [], [], {**fixed, "workspace": workspace_ptr}
+        for grid, block, args in ((self.grid, self.block, self.args), *self.then):
+            values = [self._value(arg, slots, fixed, patch) for arg in args]
+            launches.append(driver.Kernel(fn, grid=grid, block=block, args=values, ordinal=self.device).launch)
+        launches, patch = tuple(launches), tuple(patch)
 
         def run(ptrs) -> None:
             for value, slot in patch:
                 value.value = ptrs[slot]
-            launch(stream_ptr)
+            for launch in launches:
+                launch(stream_ptr)
 
         return run
+
+    @staticmethod
+    def _value(arg, slots: dict[str, int], fixed: dict[str, int], patch: list) -> Any:
+        if not isinstance(arg, str):
+            return type(arg).from_buffer_copy(arg)
+        value = ctypes.c_uint64(fixed.get(arg, 0))
+        if arg in slots:
+            patch.append((value, slots[arg]))
+        return value
 
 
 def _grid(n: int) -> int:
     return max(1, min((n + BLOCK - 1) // BLOCK, 65535))
 
 
-def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid: int, args: tuple,
-          compiled: tuple[bytes, str] | None, *, block: int | tuple[int, int] = BLOCK) -> KernelPart:
+def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid: int | tuple, args: tuple,
+          compiled: tuple[bytes, str] | None, *, block: int | tuple[int, int] = BLOCK, then: tuple = (),
+          workspace_size: int = 0) -> KernelPart:
     if compiled is not None and not _names(compiled[1], expression):
         compiled = None  # a record from a version that chose another kernel for this part: its arguments differ
     cubin, lowered = compiled or _compile.cubin("epilogue.cu", expression, _arch(device), OPTIONS)
     driver.function(cubin, lowered, device)  # load now: a stored cubin that will not load fails the plan's load
-    return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, block, args)
+    return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, block, args, then,
+                      workspace_size)
 
 
 def _names(lowered: str, expression: str) -> bool:
@@ -181,8 +190,34 @@ def bias_grad(spec, device: int, compiled: tuple[bytes, str] | None = None) -> K
     io, a = CTYPES[spec.dtype]
     k = dy.shape[1]
     if _dense_channel_stride(dy.shape, dy.strides) == 1:  # channels last: rows of K, read across channels
-        rows = math.prod(dy.shape) // k
-        return _part("bias_grad", ("dy", "db"), f"bias_grad_rows<{io}, {a}>", device, (k + 31) // 32,
-                     ("dy", "db", ctypes.c_int64(rows), ctypes.c_int32(k)), compiled, block=(32, 32))
+        return _bias_grad_chunks(dy, io, a, device, compiled)
     return _part("bias_grad", ("dy", "db"), f"bias_grad<{io}, {a}>", device, k, ("dy", "db", _meta(dy.shape, dy.strides)),
                  compiled)
+
+
+CHUNK_BLOCKS = 512  # blocks of 32x32 threads to aim for in a chunked pass: a few waves on an H100's 132 SMs
+CHUNK_MIN_ROWS = 1024  # fewer rows than this per block and the second pass costs more than it saves
+
+
+def bias_chunks(rows: int, channels: int) -> tuple[int, int]:
+    """(rows per chunk, chunks) for bias_grad_chunks: a multiple of its 128-row stride, from the shape alone."""
+    tiles = (channels + 31) // 32
+    chunk = max(CHUNK_MIN_ROWS, -(-rows // max(1, CHUNK_BLOCKS // tiles)))
+    chunk = -(-chunk // 128) * 128
+    return chunk, -(-rows // chunk)
+
+
+def _bias_grad_chunks(dy, io: str, a: str, device: int, compiled) -> KernelPart:
+    k = dy.shape[1]
+    rows, tiles = math.prod(dy.shape) // k, (k + 31) // 32
+    chunk, chunks = bias_chunks(rows, k)
+    expression, block = f"bias_grad_chunks<{io}, {a}>", (32, 32)
+    common = (ctypes.c_int32(k), ctypes.c_int64(chunk))
+    if chunks == 1:
+        args = ("dy", ctypes.c_uint64(0), "db", ctypes.c_int64(rows), *common, ctypes.c_int32(2))
+        return _part("bias_grad", ("dy", "db"), expression, device, tiles, args, compiled, block=block)
+    first = ("dy", "workspace", "db", ctypes.c_int64(rows), *common, ctypes.c_int32(0))
+    final = ("dy", "workspace", "db", ctypes.c_int64(chunks), *common, ctypes.c_int32(1))
+    size = chunks * k * ctypes.sizeof(_real(a))
+    return _part("bias_grad", ("dy", "db"), expression, device, (tiles, chunks), first, compiled, block=block,
+                 then=((tiles, block, final),), workspace_size=-(-size // 256) * 256)

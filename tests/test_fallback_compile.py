@@ -73,3 +73,37 @@ def test_a_stored_kernel_of_another_template_is_compiled_again():
     assert epilogue._names(dense, "epilogue_fwd_dense<half_t, float, half_t>")
     assert not epilogue._names(general, "epilogue_fwd_dense<half_t, float, half_t>")
     assert not epilogue._names(dense, "epilogue_fwd<half_t, float, half_t>")
+
+
+def test_a_stored_single_pass_bias_kernel_is_not_launched_with_the_chunked_arguments():
+    old_lowered = "_Z14bias_grad_rowsI6half_tfEvPKT_PS1_xi"  # the kernel records held before the chunked one
+    assert not epilogue._names(old_lowered, "bias_grad_chunks<half_t, float>")
+
+
+@pytest.mark.parametrize("rows, channels", [(1, 1), (288, 40), (2645, 40), (25088, 96), (200704, 96),
+                                            (3136, 2048), (10**7, 8), (128 * 1024 + 1, 32)])
+def test_bias_chunks_cover_every_row_once_in_whole_strides(rows, channels):
+    chunk, chunks = epilogue.bias_chunks(rows, channels)
+    assert chunk % 128 == 0 and chunk >= epilogue.CHUNK_MIN_ROWS
+    assert (chunks - 1) * chunk < rows <= chunks * chunk  # no empty chunk, none missing
+    assert chunks <= 65535  # grid.y
+    tiles = (channels + 31) // 32
+    assert chunks == 1 or tiles * chunks <= 2 * epilogue.CHUNK_BLOCKS + tiles
+
+
+def test_a_chunked_bias_part_takes_workspace_and_launches_twice(monkeypatch):
+    """The chunked kernel's partial sums live in the plan's workspace; one chunk needs none."""
+    from cudnn_graphs import ConvBwdFilterSpec
+
+    monkeypatch.setattr(epilogue, "_arch", lambda device: "sm_90")
+    monkeypatch.setattr(epilogue.driver, "function", lambda *a: 0)  # no GPU here: nothing is loaded
+    big = ConvBwdFilterSpec((8, 96, 56, 56), (8, 96, 56, 56), (96, 1, 7, 7), padding=3, groups=96,
+                            dtype="float16", layout="channels_last", bias_grad=True)
+    part = epilogue.bias_grad(big, 0)
+    assert part.grid == (3, 25) and len(part.then) == 1 and part.then[0][0] == 3
+    assert part.workspace_size >= 25 * 96 * 4 and part.workspace_size % 256 == 0
+    assert "workspace" in part.args and "workspace" in part.then[0][2]
+    small = ConvBwdFilterSpec((2, 8, 12, 12), (2, 40, 12, 12), (40, 8, 3, 3), padding=1, dtype="float16",
+                              layout="channels_last", bias_grad=True)
+    part = epilogue.bias_grad(small, 0)
+    assert part.then == () and part.workspace_size == 0 and "workspace" not in part.args

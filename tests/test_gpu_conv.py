@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import cudnn_graphs as cg  # noqa: E402
 from cudnn_graphs import BufferMismatchError, ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec  # noqa: E402
+
+from fallback_kernels import epilogue  # noqa: E402
 
 from . import gpu_reference as ref  # noqa: E402
 
@@ -272,17 +276,26 @@ def test_unfused_epilogue_on_a_padded_output_takes_the_strided_kernel(unfused):
     assert plan.engines[-1].startswith("kernel:epilogue_fwd<"), plan.engines
 
 
-@pytest.mark.parametrize("dtype, layout, kernel", [("float16", "channels_last", "bias_grad_rows"),
-                                                   ("bfloat16", "channels_last", "bias_grad_rows"),
+BIAS_GRAD_SHAPES = {  # x, w, groups, padding, chunks of rows the channels-last kernel sums in
+    "ragged": ((5, 8, 23, 23), (40, 8, 3, 3), 1, 1, 3),  # rows not a multiple of 128, channels of 32
+    "one-chunk": ((2, 8, 12, 12), (40, 8, 3, 3), 1, 1, 1),
+    "depthwise96": ((8, 96, 56, 56), (96, 1, 7, 7), 96, 3, 25),  # convnext's first stage, batch 8
+}
+
+
+@pytest.mark.parametrize("shape", BIAS_GRAD_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype, layout, kernel", [("float16", "channels_last", "bias_grad_chunks"),
+                                                   ("bfloat16", "channels_last", "bias_grad_chunks"),
                                                    ("float32", "channels_first", "bias_grad")])
-def test_bias_grad_over_many_rows_and_a_ragged_channel_tile(session, dtype, layout, kernel):
-    """Rows not a multiple of the kernel's 128-row stride, channels not a multiple of its 32-channel tile;
-    the same inputs give the same bits again (a fixed summation order)."""
-    x, w = (5, 8, 23, 23), (40, 8, 3, 3)
-    spec = ConvBwdFilterSpec(x, ConvFwdSpec(x, w, padding=1).y_shape, w, padding=1, dtype=dtype, layout=layout,
-                             bias_grad=True)
-    _check_wgrad(session, spec)
-    plan, bufs = _run(session, spec)
+def test_bias_grad_over_many_rows_and_a_ragged_channel_tile(unfused, dtype, layout, kernel, shape):
+    """Rows not a multiple of the kernel's 128-row stride, channels not a multiple of its 32-channel tile,
+    one chunk of rows or many; the same inputs give the same bits again (a fixed summation order)."""
+    x, w, groups, padding, chunks = BIAS_GRAD_SHAPES[shape]
+    y = ConvFwdSpec(x, w, padding=padding, groups=groups).y_shape
+    spec = ConvBwdFilterSpec(x, y, w, padding=padding, groups=groups, dtype=dtype, layout=layout, bias_grad=True)
+    assert epilogue.bias_chunks(math.prod(y) // y[1], y[1])[1] == chunks
+    _check_wgrad(unfused, spec)
+    plan, bufs = _run(unfused, spec)
     assert plan.engines[-1].startswith(f"kernel:{kernel}<"), plan.engines
     first = bufs["db"].clone()
     bufs["db"].fill_(float("nan"))
