@@ -7,7 +7,7 @@
 // Header-free (no cuda_fp16.h / cuda_bf16.h / climits) so NVRTC needs no CUDA toolkit include path.
 //
 // Kernels:
-//   gs_forward   one thread per (output point, group of VEC channels); any strides.
+//   gs_forward   L lanes per output point, each computing the taps once and looping over channel groups.
 //   gs_backward  the fast backward: L lanes per output point, VEC contiguous channels per lane. grad_input
 //                is scattered with atomics into a channels-last accumulator in A (vector red.v4.f32 on
 //                sm_90); grad_grid is reduced over channels in registers + warp shuffles (no atomics).
@@ -302,35 +302,37 @@ __device__ __forceinline__ int min_nc(long long C, long long c0) { return (int)(
 template <int ND, int MODE> struct Taps { static constexpr int K = MODE == MODE_NEAREST ? 1 : MODE == MODE_BICUBIC ? 16 : (1 << ND); };
 
 // ---------------------------------------------------------------------------------------------------
-// Forward: one thread per (point, group of VEC channels). F_POINT_FAST: points vary fastest across threads
-// (channels-first output: coalesced stores); else channel groups do (channels-last).
+// Forward: L = 2^lanes_log2 lanes per output point (at most one per group of VEC channels); lane l computes
+// the point's taps and weights once, then takes channel groups l, l + L, ... (ATen's kernel is L = 1: one
+// thread loops over every channel). F_POINT_FAST: points vary fastest across threads (channels-first
+// output: coalesced stores); else lanes do (channels-last: a warp reads consecutive channel groups).
+// A channels-first lane taking one channel at a time instead of 4 measured 1.3-4.6x slower (H100).
 // ---------------------------------------------------------------------------------------------------
 template <typename T, typename A, int ND, int MODE>
 __global__ void __launch_bounds__(256) gs_forward(const T* __restrict__ inp, const T* __restrict__ grid,
                                                   T* __restrict__ out, const Geo g) {
     const long long P = g.OD * g.OH * g.OW, C = g.C;
     const long long G = (C + VEC - 1) / VEC;
-    const long long total = g.N * P * G;
+    const long long L = (1LL << g.lanes_log2) < G ? (1LL << g.lanes_log2) : G;
+    const long long total = g.N * P * L;
     const int ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW, pad = (int)g.pad;
     const bool align = g.align != 0, point_fast = (g.flags & F_POINT_FAST) != 0;
     const bool in_vec = (g.flags & F_IN_VEC) != 0, out_vec = (g.flags & F_GO_VEC) != 0;
+    constexpr int K = Taps<ND, MODE>::K;
     for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total; t += (long long)gridDim.x * blockDim.x) {
-        long long n, p, cg;
-        if (point_fast) n = div_rem(div_rem(t, P, p), G, cg);
-        else n = div_rem(div_rem(t, G, cg), P, p);
+        long long n, p, lane;
+        if (point_fast) n = div_rem(div_rem(t, P, p), L, lane);
+        else n = div_rem(div_rem(t, L, lane), P, p);
         long long ow, oh;
         const long long od = div_rem(div_rem(p, g.OW, ow), g.OH, oh);
         const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
         const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
         const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
-        const long long c0 = cg * VEC;
-        const int nc = min_nc(C, c0);
-        const T* in_c = inp + n * g.in_sN + c0 * g.in_sC;
-        T* out_p = out + n * g.go_sN + c0 * g.go_sC + od * g.go_sD + oh * g.go_sH + ow * g.go_sW;
-        A acc[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) acc[k] = static_cast<A>(0);
 
+        // Each tap once: its offset within a channel plane and its weight (0 where it falls outside).
+        long long off[K];
+        A w[K];
+        A tx = static_cast<A>(0), ty = static_cast<A>(0);
         if constexpr (MODE == MODE_BILINEAR) {
             const A ix = source_index(x, IW, pad, align), iy = source_index(y, IH, pad, align);
             const A iz = ND == 3 ? source_index(z, ID, pad, align) : static_cast<A>(0);
@@ -339,49 +341,78 @@ __global__ void __launch_bounds__(256) gs_forward(const T* __restrict__ inp, con
             const A wy[2] = {static_cast<A>(y0 + 1) - iy, iy - static_cast<A>(y0)};
             const A wz[2] = {static_cast<A>(z0 + 1) - iz, iz - static_cast<A>(z0)};
 #pragma unroll
-            for (int k = 0; k < (1 << ND); ++k) {
+            for (int k = 0; k < K; ++k) {
                 const int dx = k & 1, dy = (k >> 1) & 1, dz = k >> 2;
                 const int xx = x0 + dx, yy = y0 + dy, zz = z0 + dz;
-                if (xx < 0 || xx >= IW || yy < 0 || yy >= IH || zz < 0 || zz >= ID) continue;
-                const A w = ND == 3 ? wx[dx] * wy[dy] * wz[dz] : wx[dx] * wy[dy];
-                A v[VEC];
-                load_ch(in_c + zz * g.in_sD + yy * g.in_sH + xx * g.in_sW, g.in_sC, nc, in_vec, v);
-#pragma unroll
-                for (int c = 0; c < VEC; ++c) acc[c] += v[c] * w;
+                const bool inside = xx >= 0 && xx < IW && yy >= 0 && yy < IH && zz >= 0 && zz < ID;
+                off[k] = inside ? zz * g.in_sD + yy * g.in_sH + xx * g.in_sW : -1;
+                w[k] = ND == 3 ? wx[dx] * wy[dy] * wz[dz] : wx[dx] * wy[dy];
             }
         } else if constexpr (MODE == MODE_NEAREST) {
             const A ix = source_index(x, IW, pad, align), iy = source_index(y, IH, pad, align);
             const A iz = ND == 3 ? source_index(z, ID, pad, align) : static_cast<A>(0);
             const int xn = static_cast<int>(m_rint(ix)), yn = static_cast<int>(m_rint(iy)), zn = static_cast<int>(m_rint(iz));
-            if (xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID)
-                load_ch(in_c + zn * g.in_sD + yn * g.in_sH + xn * g.in_sW, g.in_sC, nc, in_vec, acc);
-        } else {  // bicubic, 2-D
+            const bool inside = xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID;
+            off[0] = inside ? zn * g.in_sD + yn * g.in_sH + xn * g.in_sW : -1;
+            w[0] = static_cast<A>(1);  // unused
+        } else {  // bicubic, 2-D: rows of 4 taps interpolated along x, then the 4 rows along y
             const A ix = unnormalize(x, IW, align), iy = unnormalize(y, IH, align);
             const A fx = m_floor(ix), fy = m_floor(iy);
-            const A tx = ix - fx, ty = iy - fy;
+            tx = ix - fx;
+            ty = iy - fy;
             int rx[4], ry[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) { rx[i] = cubic_tap(fx, i, IW, pad, align); ry[i] = cubic_tap(fy, i, IH, pad, align); }
-            A rows[4][VEC];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                A v[4][VEC];
+            for (int k = 0; k < K; ++k) {
+                const int i = k & 3, j = k >> 2;
+                off[k] = rx[i] >= 0 && ry[j] >= 0 ? ry[j] * g.in_sH + rx[i] * g.in_sW : -1;
+                w[k] = static_cast<A>(1);  // unused: the cubic coefficients come from tx and ty
+            }
+        }
+
+        const T* in_n = inp + n * g.in_sN;
+        T* out_n = out + n * g.go_sN + od * g.go_sD + oh * g.go_sH + ow * g.go_sW;
+        for (long long cg = lane; cg < G; cg += L) {
+            const long long c0 = cg * VEC;
+            const int nc = min_nc(C, c0);
+            const T* in_c = in_n + c0 * g.in_sC;
+            A acc[VEC];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (rx[i] >= 0 && ry[j] >= 0) {
-                        load_ch(in_c + ry[j] * g.in_sH + rx[i] * g.in_sW, g.in_sC, nc, in_vec, v[i]);
-                    } else {
+            for (int c = 0; c < VEC; ++c) acc[c] = static_cast<A>(0);
+            if constexpr (MODE == MODE_BICUBIC) {
+                A rows[4][VEC];
 #pragma unroll
-                        for (int c = 0; c < VEC; ++c) v[i][c] = static_cast<A>(0);
+                for (int j = 0; j < 4; ++j) {
+                    A v[4][VEC];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        if (off[4 * j + i] >= 0) {
+                            load_ch(in_c + off[4 * j + i], g.in_sC, nc, in_vec, v[i]);
+                        } else {
+#pragma unroll
+                            for (int c = 0; c < VEC; ++c) v[i][c] = static_cast<A>(0);
+                        }
                     }
+#pragma unroll
+                    for (int c = 0; c < VEC; ++c) rows[j][c] = cubic_interp1d<A>(v[0][c], v[1][c], v[2][c], v[3][c], tx);
                 }
 #pragma unroll
-                for (int c = 0; c < VEC; ++c) rows[j][c] = cubic_interp1d<A>(v[0][c], v[1][c], v[2][c], v[3][c], tx);
-            }
+                for (int c = 0; c < VEC; ++c) acc[c] = cubic_interp1d<A>(rows[0][c], rows[1][c], rows[2][c], rows[3][c], ty);
+            } else if constexpr (MODE == MODE_NEAREST) {
+                if (off[0] >= 0) load_ch(in_c + off[0], g.in_sC, nc, in_vec, acc);  // the value itself: -0.0 stays
+            } else {
 #pragma unroll
-            for (int c = 0; c < VEC; ++c) acc[c] = cubic_interp1d<A>(rows[0][c], rows[1][c], rows[2][c], rows[3][c], ty);
+                for (int k = 0; k < K; ++k) {
+                    if (off[k] < 0) continue;
+                    A v[VEC];
+                    load_ch(in_c + off[k], g.in_sC, nc, in_vec, v);
+#pragma unroll
+                    for (int c = 0; c < VEC; ++c) acc[c] += v[c] * w[k];
+                }
+            }
+            store_ch(out_n + c0 * g.go_sC, g.go_sC, nc, out_vec, acc);
         }
-        store_ch(out_p, g.go_sC, nc, out_vec, acc);
     }
 }
 

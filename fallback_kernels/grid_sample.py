@@ -102,8 +102,13 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # global-atomic kernel. tile_sort_bytes: shared memory of the sort block (counts + staged entries);
 # tile_scratch_bytes: the most its entry regions may take before fewer pixel ranges are used.
 # options: extra NVRTC options (e.g. "-DGS_BWD_MIN_BLOCKS=2").
+# The forward's lanes per output point (a lane computes the point's taps once, then loops over channel
+# groups; ATen's kernel is one thread per point looping over every channel): at least fwd_lanes_log2
+# (channels-first, channels-last: channels-last needs lanes for coalesced reads), enough that a lane takes
+# at most fwd_groups_per_lane groups, more while points x lanes < fwd_threads (tools/probe_grid_sample_forward.py).
 TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
-          "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": ()}
+          "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": (),
+          "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5)}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -593,12 +598,24 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
             flags |= F_GO_VEC
         if out.strides[1] != 1:
             flags |= F_POINT_FAST
+        lanes_log2 = _forward_lanes_log2(geo, channels_last=out.strides[1] == 1)
         g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
-                        go=_nc5(out.strides, geo.nd), flags=flags)
-        threads = geo.N * geo.points * -(-geo.C // VEC)
+                        go=_nc5(out.strides, geo.nd), lanes_log2=lanes_log2, flags=flags)
+        threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))
         b.launch(f"gs_forward<{t}, {a}, {geo.nd}, {geo.mode}>", (_blocks(threads),), (BLOCK,),
                  (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"), g))
     return b.plan(geo, FORWARD_INPUTS, {"output": out})
+
+
+def _forward_lanes_log2(geo: Geometry, *, channels_last: bool) -> int:
+    """log2 of the forward's lanes per output point: at least TUNING's fewest for the layout and enough
+    that a lane takes at most fwd_groups_per_lane groups of VEC channels, more while points x lanes
+    make fewer than fwd_threads threads, never more than one lane per group."""
+    groups = max(1, -(-geo.C // VEC))
+    fewest = int(TUNING["fwd_lanes_log2"][1 if channels_last else 0])
+    per_lane = (-(-groups // int(TUNING["fwd_groups_per_lane"])) - 1).bit_length()
+    to_fill = (max(1, -(-int(TUNING["fwd_threads"]) // max(1, geo.N * geo.points))) - 1).bit_length()
+    return min((groups - 1).bit_length(), max(fewest, per_lane, to_fill))
 
 
 @functools.lru_cache(maxsize=256)

@@ -202,6 +202,26 @@ def test_strided_and_expanded_buffers():
     _fail_if_any("strided_and_expanded_buffers", failures)
 
 
+@pytest.mark.parametrize("lanes_log2", [0, 1, 5])
+def test_forward_lanes_looping_over_channel_groups(monkeypatch, lanes_log2):
+    """One lane per point looping over every channel group (a ragged last group), two lanes, and one lane
+    per group: the forward's every channel loop, in both layouts and every mode, against float64."""
+    monkeypatch.setitem(gs.TUNING, "fwd_threads", 1)
+    monkeypatch.setitem(gs.TUNING, "fwd_groups_per_lane", 1 << 20)
+    monkeypatch.setitem(gs.TUNING, "fwd_lanes_log2", (lanes_log2, lanes_log2))
+    torch.manual_seed(4)
+    failures = []
+    for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (3, ((4, 5, 6), (3, 4, 5)))):
+        for dtype in ("float32", "float16"):
+            for layout in LAYOUTS:
+                for mode in MODES[nd]:
+                    for c in (13, 16):
+                        f = run_case(nd, mode, "reflection", False, dtype, layout, 2, c, in_sp, out_sp, algorithms=())
+                        if f:
+                            failures.append(f)
+    _fail_if_any(f"forward_lanes[{lanes_log2}]", failures)
+
+
 @pytest.mark.parametrize("go_transpose, input_transpose", [(True, True), (False, False)])
 def test_fast_backward_tuning_variants(monkeypatch, go_transpose, input_transpose):
     monkeypatch.setitem(gs.TUNING, "go_transpose", go_transpose)

@@ -402,3 +402,16 @@ def test_tile_knobs(cpu_plans, monkeypatch):
     monkeypatch.setitem(gs.TUNING, "tile_sort_bytes", 1024)  # counts alone exceed it: nothing staged
     sort = _launches(_fast_plan((2, 32, 64, 64), (2, 64, 64, 2)))["gs_tile_sort"]
     assert int(sort[4][-2]) == 0 and sort[6] == 1376 * 4  # 1366 pixels per range, rounded up to 32
+
+
+@pytest.mark.parametrize("in_shape, out_sp, channels_last, lanes_log2", [
+    ((8, 64, 128, 128), (128, 128), False, 1),  # 16 groups of 4 channels: 8 a lane at most
+    ((32, 32, 64, 64), (64, 64), False, 0),  # 8 groups, 131072 points: one lane loops over all
+    ((32, 32, 64, 64), (64, 64), True, 3),  # channels-last: a lane per group up to 32, reads coalesced
+    ((4, 32, 64, 64), (64, 64), False, 1),  # 16384 points: lanes until 2^15 threads
+    ((2, 512, 16, 16), (8, 8), False, 7),  # 128 points: a lane per group
+    ((2, 3, 5, 5), (4, 4), False, 0),  # one group
+])
+def test_forward_lanes_per_point(in_shape, out_sp, channels_last, lanes_log2):
+    geo = gs.geometry(in_shape, (in_shape[0], *out_sp, len(out_sp)), "float32", "float32")
+    assert gs._forward_lanes_log2(geo, channels_last=channels_last) == lanes_log2

@@ -1,0 +1,99 @@
+"""Probe (GPU host): grid_sample forward device time, our kernel's lanes per point against torch's kernel.
+
+    python3 tools/probe_grid_sample_forward.py --out probe_grid_sample_forward.json
+
+The forward gives each output point L lanes; a lane computes the point's taps once and loops over channel
+groups of 4 (ATen's kernel: one thread per point looping over every channel). Per shape, grid kind
+(random over [-1.1, 1.1]: scattered reads; affine: a smooth rotation and scaling) and setting of
+TUNING's forward knobs (SETTINGS; "one_per_group" is L = channel groups, the kernel before lanes looped), device us per call: the median of blocks of back-to-back calls
+timed with CUDA events behind a GPU sleep, beside torch's F.grid_sample, and the largest difference from
+torch's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from probe_bias_grad import _device_us  # noqa: E402
+from probe_depthwise import _sleep_cycles  # noqa: E402
+
+SHAPES = (  # name, dtype, input shape, output spatial, layout, mode
+    ("f32 (8,64,128,128)", "float32", (8, 64, 128, 128), (128, 128), "first", "bilinear"),
+    ("f32 (8,64,128,128) NHWC", "float32", (8, 64, 128, 128), (128, 128), "last", "bilinear"),
+    ("f16 (32,32,64,64)", "float16", (32, 32, 64, 64), (64, 64), "first", "bilinear"),
+    ("f16 (32,32,64,64) NHWC", "float16", (32, 32, 64, 64), (64, 64), "last", "bilinear"),
+    ("f32 3-D (2,16,32,32,32)", "float32", (2, 16, 32, 32, 32), (32, 32, 32), "first", "bilinear"),
+    ("f32 bicubic (4,32,64,64)", "float32", (4, 32, 64, 64), (64, 64), "first", "bicubic"),
+    ("f16 nearest (32,32,64,64)", "float16", (32, 32, 64, 64), (64, 64), "first", "nearest"),
+    ("f32 (2,512,16,16) -> 8x8", "float32", (2, 512, 16, 16), (8, 8), "first", "bilinear"),
+)
+SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
+    "default": {},
+    "vec_L1": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20},
+    "vec_L2": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20, "fwd_lanes_log2": (1, 5)},
+    "one_per_group": {"fwd_threads": 1 << 50},  # L = channel groups: the kernel before lanes looped
+}
+
+
+def _grid(torch, kind: str, n: int, out: tuple, dtype):
+    nd = len(out)
+    if kind == "random":
+        return (torch.rand(n, *out, nd, device="cuda") * 2.2 - 1.1).to(dtype)
+    angle = 0.3
+    theta = torch.zeros(n, nd, nd + 1, device="cuda")
+    theta[:, 0, 0], theta[:, 0, 1], theta[:, 1, 0], theta[:, 1, 1] = math.cos(angle), -math.sin(angle), math.sin(angle), math.cos(angle)
+    if nd == 3:
+        theta[:, 2, 2] = 1.0
+    theta[:, :, :nd] *= 0.9
+    return torch.nn.functional.affine_grid(theta, (n, 1, *out), align_corners=False).to(dtype)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    from fallback_kernels import grid_sample as gs
+
+    cycles = _sleep_cycles(torch, 20.0)
+    rows, defaults = [], {k: v for k, v in gs.TUNING.items() if k.startswith("fwd_")}
+    for name, dt, shape, out, layout, mode in SHAPES:
+        dtype = getattr(torch, dt)
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        if layout == "last":
+            x = x.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+        for kind in ("random", "affine"):
+            grid = _grid(torch, kind, shape[0], out, dtype)
+            row = {"shape": name, "grid": kind, "mode": mode}
+            expected = F.grid_sample(x, grid, mode=mode, align_corners=False)
+            row["torch_us"] = _device_us(torch, lambda: F.grid_sample(x, grid, mode=mode, align_corners=False),
+                                         cycles=cycles)
+            for setting, overrides in SETTINGS.items():
+                gs.TUNING.update(overrides)
+                try:
+                    geo = gs.geometry(shape, grid.shape, dt, dt, mode=mode)
+                    row[f"{setting}_lanes_log2"] = gs._forward_lanes_log2(geo, channels_last=layout == "last")
+                    y = gs.grid_sample(x, grid, mode=mode)
+                    torch.cuda.synchronize()
+                    row[f"{setting}_max_diff"] = float((y.double() - expected.double()).abs().max())
+                    row[f"{setting}_us"] = _device_us(torch, lambda: gs.grid_sample(x, grid, mode=mode), cycles=cycles)
+                finally:
+                    gs.TUNING.update(defaults)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
