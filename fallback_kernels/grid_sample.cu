@@ -308,8 +308,18 @@ template <int ND, int MODE> struct Taps { static constexpr int K = MODE == MODE_
 // output: coalesced stores); else lanes do (channels-last: a warp reads consecutive channel groups).
 // A channels-first lane taking one channel at a time instead of 4 measured 1.3-4.6x slower (H100).
 // ---------------------------------------------------------------------------------------------------
+// Blocks of 256 per SM the forward is compiled for. Left alone, f32 bilinear took 96 registers (2 blocks);
+// capped for 3 (2-D bilinear) or 2 it ran 1.3-2x faster on channels-last inputs and on smooth grids, 1.3x
+// slower on uniformly random channels-first ones (more warps evict each other's lines), H100:
+// tools/results/2026-11-25-h100-probe_grid_sample_forward_min_blocks.json. -DGS_FWD_MIN_BLOCKS=n overrides.
+#ifdef GS_FWD_MIN_BLOCKS
+#define GS_FWD_BLOCKS(A, ND, MODE) GS_FWD_MIN_BLOCKS
+#else
+#define GS_FWD_BLOCKS(A, ND, MODE) \
+    ((MODE) == MODE_BICUBIC || sizeof(A) == 8 ? 1 : (ND) == 2 && (MODE) == MODE_BILINEAR ? 3 : 2)
+#endif
 template <typename T, typename A, int ND, int MODE>
-__global__ void __launch_bounds__(256) gs_forward(const T* __restrict__ inp, const T* __restrict__ grid,
+__global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(const T* __restrict__ inp, const T* __restrict__ grid,
                                                   T* __restrict__ out, const Geo g) {
     const long long P = g.OD * g.OH * g.OW, C = g.C;
     const long long G = (C + VEC - 1) / VEC;

@@ -38,6 +38,8 @@ SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
     "vec_L1": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20},
     "vec_L2": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20, "fwd_lanes_log2": (1, 5)},
     "one_per_group": {"fwd_threads": 1 << 50},  # L = channel groups: the kernel before lanes looped
+    # registers as the compiler likes (1), or capped for n blocks of 256 per SM, every variant alike
+    **{f"min_blocks_{n}": {"options": (f"-DGS_FWD_MIN_BLOCKS={n}",)} for n in (1, 2, 3, 4, 5)},
 }
 
 
@@ -57,7 +59,10 @@ def _grid(torch, kind: str, n: int, out: tuple, dtype):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--settings", default="default,vec_L1,vec_L2,one_per_group,min_blocks_1",
+                    help=f"comma-separated, of: {', '.join(SETTINGS)}")
     args = ap.parse_args()
+    settings = {name: SETTINGS[name] for name in args.settings.split(",")}
 
     import torch
     import torch.nn.functional as F
@@ -65,7 +70,7 @@ def main() -> int:
     from fallback_kernels import grid_sample as gs
 
     cycles = _sleep_cycles(torch, 20.0)
-    rows, defaults = [], {k: v for k, v in gs.TUNING.items() if k.startswith("fwd_")}
+    rows, defaults = [], {k: v for k, v in gs.TUNING.items() if k.startswith("fwd_") or k == "options"}
     for name, dt, shape, out, layout, mode in SHAPES:
         dtype = getattr(torch, dt)
         x = torch.randn(shape, device="cuda", dtype=dtype)
@@ -77,7 +82,7 @@ def main() -> int:
             expected = F.grid_sample(x, grid, mode=mode, align_corners=False)
             row["torch_us"] = _device_us(torch, lambda: F.grid_sample(x, grid, mode=mode, align_corners=False),
                                          cycles=cycles)
-            for setting, overrides in SETTINGS.items():
+            for setting, overrides in settings.items():
                 gs.TUNING.update(overrides)
                 try:
                     geo = gs.geometry(shape, grid.shape, dt, dt, mode=mode)
