@@ -137,3 +137,22 @@ class _FakePlan:
     chosen_by = "autotune"
     build_ms = 1.0
     device, signature = 0, "fake"
+
+
+def test_a_record_planned_under_older_rules_gives_way_even_autotuned():
+    from types import SimpleNamespace
+
+    from cudnn_graphs.cache.policy import keep_stored, rules_behind
+
+    rule = {"depthwise_fwd_epilogue_unfused": 1}
+    old_tuned = SimpleNamespace(meta={"chosen_by": "autotune"})  # written before the rule: no stamp
+    new_heuristic = SimpleNamespace(meta={"chosen_by": "heuristics", "plan_rules": rule})
+    assert rules_behind(old_tuned.meta, rule) and not rules_behind(new_heuristic.meta, rule)
+    assert not keep_stored(new_heuristic, old_tuned)  # the store takes the new record
+    assert keep_stored(old_tuned, new_heuristic)  # an import of the old one does not replace it
+    newer = SimpleNamespace(meta={"chosen_by": "heuristics", "plan_rules": {"depthwise_fwd_epilogue_unfused": 2}})
+    assert keep_stored(new_heuristic, newer) and not keep_stored(newer, new_heuristic)
+    same_rules_tuned = SimpleNamespace(meta={"chosen_by": "autotune", "plan_rules": rule})
+    assert keep_stored(new_heuristic, same_rules_tuned)  # then autotuned outranks heuristic, as before
+    assert not rules_behind({"plan_rules": "garbage"}, {})  # no rules apply: nothing is behind
+    assert rules_behind({"plan_rules": {"depthwise_fwd_epilogue_unfused": "1"}}, rule)  # a damaged stamp

@@ -124,3 +124,27 @@ def test_corrupt_file_is_a_miss_and_a_rebuild(warm_cache, caplog):
     stats = session.stats()
     assert (stats["builds"], stats["corrupt_records"]) == (1, 1)
     assert plan.engines and any("quarantine" in str(p) for p in Path(root).rglob("*"))
+
+
+def test_a_record_planned_under_older_rules_is_replaced_even_when_autotuned(tmp_path):
+    """A depthwise conv + bias record from before the unfused rule (no stamp), marked autotuned so it
+    outranks a heuristic plan: the next session builds anew, stores the stamped record over it, and the
+    one after loads that with zero builds."""
+    spec = cg.ConvFwdSpec((2, 16, 14, 14), (16, 1, 7, 7), padding=3, groups=16, bias=True, dtype="float16",
+                          layout="channels_last")
+    first = _session(tmp_path)
+    first.plan(spec)
+    store = PlanStore(tmp_path)
+    key = first.signature(spec)
+    record = store.get(key)
+    assert record.meta["plan_rules"] == {"depthwise_fwd_epilogue_unfused": 1}
+    stale = {k: v for k, v in record.meta.items() if k != "plan_rules"} | {"chosen_by": "autotune"}
+    store.put(PlanRecord(key, record.blob, stale))
+    second = _session(tmp_path)
+    plan = second.plan(spec)
+    assert second.stats()["builds"] == 1 and second.stats()["disk_hits"] == 0
+    assert not plan.fused
+    assert store.get(key).meta["plan_rules"] == {"depthwise_fwd_epilogue_unfused": 1}, "the stale record stayed"
+    third = _session(tmp_path)
+    third.plan(spec)
+    assert (third.stats()["disk_hits"], third.stats()["builds"]) == (1, 0)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -279,8 +280,8 @@ def test_a_stored_plan_is_written_through_off_the_callers_path(fleet, tmp_path, 
     spec = cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=1)
     session = cg.Session(cache=tmp_path / "local")
     rec = _record(spec, env=session.env)
-    monkeypatch.setattr(session_mod, "plan_to_record", lambda plan, env, policy: rec)
-    session._store(object())
+    monkeypatch.setattr(session_mod, "plan_to_record", lambda plan, env, policy, rules: rec)
+    session._store(SimpleNamespace(spec=spec))
     session_mod.flush_remote_writes(timeout=10)
     assert session.remote.get(rec.key).blob == rec.blob and session.counters()["remote_writes"] == 1
     assert PlanStore(tmp_path / "local").get(rec.key) is not None

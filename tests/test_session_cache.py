@@ -138,3 +138,39 @@ def test_a_kernel_part_keeps_its_cubin_in_the_record(fake_env):
     (entry,) = record.meta["parts"]
     assert (entry["kind"], entry["function"]) == ("kernel", "_Z9bias_gradIffEvPKT_PS0_4Meta")
     assert msgpack.unpackb(record.blob, raw=False)[entry["blob_index"]] == b"\x7fELF-cubin"
+
+
+def _depthwise_bias(**kw):
+    return cg.ConvFwdSpec((2, 8, 9, 9), (8, 1, 3, 3), padding=1, groups=8, bias=True, **kw)
+
+
+@pytest.mark.parametrize("spec, rules", [
+    (_depthwise_bias(), {"depthwise_fwd_epilogue_unfused": 1}),
+    (_depthwise_bias(activation="relu"), {"depthwise_fwd_epilogue_unfused": 1}),
+    (cg.ConvFwdSpec((2, 8, 9, 9), (8, 1, 3, 3), padding=1, groups=8), {}),  # no epilogue: plain conv anyway
+    (cg.ConvFwdSpec((2, 8, 9, 9), (8, 8, 3, 3), padding=1, bias=True), {}),  # not depthwise
+    (cg.ConvFwdSpec((2, 8, 9, 9), (8, 2, 3, 3), padding=1, groups=4, bias=True), {}),  # grouped, 2 per group
+])
+def test_plan_rules_stamp_the_specs_they_decide(spec, rules):
+    from cudnn_graphs.plan.session import plan_rules
+
+    assert plan_rules(spec) == rules
+    assert cg.Session(cache=False).plan_rules(spec) == rules
+
+
+def test_a_record_planned_under_older_rules_is_built_anew(fake_env, caplog):
+    """A depthwise conv + bias stored before the unfused rule (its record has no stamp) held cuDNN's slow
+    fused engine: it must not load; stamped with the rule it loads as any record does."""
+    spec = _depthwise_bias()
+    session = cg.Session(cache=False)
+    old = plan_to_record(_fake_plan(spec), env=fake_env)
+    assert old.meta["plan_rules"] == {}
+    with caplog.at_level(logging.INFO, logger="cudnn_graphs"):
+        assert load_plan(old, spec=spec, session=session) is None
+    assert any("older rules" in r.getMessage() for r in caplog.records)
+    stamped = plan_to_record(_fake_plan(spec), env=fake_env, rules=session.plan_rules(spec))
+    assert stamped.meta["plan_rules"] == {"depthwise_fwd_epilogue_unfused": 1}
+    calls = []
+    session._restore_part = lambda *a: calls.append(a) or (None, "disk")  # no GPU here: stop at the parts
+    session._new_plan = lambda *a, **k: "plan"
+    assert load_plan(stamped, spec=spec, session=session).plan == "plan" and len(calls) == 1

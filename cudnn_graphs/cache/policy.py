@@ -17,9 +17,27 @@ def rank(meta: dict) -> int:
     return 1 if meta.get("chosen_by") == AUTOTUNE else 0
 
 
+def rules_of(meta: dict) -> dict[str, int]:
+    """The planning rules a record's plan was chosen under: {rule name: version}; none in older records."""
+    rules = meta.get("plan_rules")
+    return rules if isinstance(rules, dict) else {}
+
+
+def rules_behind(meta: dict, rules: dict[str, int]) -> bool:
+    """Whether a record was planned under older rules than `rules`: one of them missing from it, or older.
+    Its plan may be one today's rules would not choose (a depthwise conv fused into a slow engine)."""
+    stored = rules_of(meta)
+    return any(not isinstance(stored.get(name), int) or stored[name] < version for name, version in rules.items())
+
+
 def keep_stored(new, old) -> bool:
-    """Whether the stored record `old` stays when `new` arrives: when it outranks it. For
+    """Whether the stored record `old` stays when `new` arrives: when it outranks it, planning rules first
+    (a record planned under older rules gives way even if autotuned), then autotuned over heuristic. For
     `PlanStore.put(keep_existing=partial(keep_stored, new))` and `import_bundle(keep_existing=keep_stored)`."""
+    if rules_behind(old.meta, rules_of(new.meta)):
+        return False
+    if rules_behind(new.meta, rules_of(old.meta)):
+        return True
     return rank(old.meta) > rank(new.meta)
 
 

@@ -16,6 +16,7 @@ import msgpack
 from .._version import __version__
 from ..errors import NoGpuError
 from ..spec import TensorDesc, spec_from_dict
+from .policy import rules_behind, rules_of
 
 # A part whose numerical notes nobody asked for yet (probing costs heuristics queries).
 UNPROBED = "unprobed"
@@ -31,9 +32,10 @@ class LoadOutcome(NamedTuple):
     rewrite: bool  # the record should be written again (a part was rebuilt)
 
 
-def plan_to_record(plan, *, env, policy: dict | None = None):
+def plan_to_record(plan, *, env, policy: dict | None = None, rules: dict[str, int] | None = None):
     """The record for `plan` under its signature; parts whose engine cannot serialize store no blob.
-    `policy`: the session settings in the signature (kept so an importer can recompute the key)."""
+    `policy`: the session settings in the signature (kept so an importer can recompute the key);
+    `rules`: the planning rules that chose it ({name: version}, see `policy.rules_behind`)."""
     from plan_cache import PlanRecord
 
     blobs, parts = [], []
@@ -48,6 +50,7 @@ def plan_to_record(plan, *, env, policy: dict | None = None):
         "environment": env.to_dict(), "policy": dict(policy or {}), "fused": plan.fused, "acc_dtype": plan.acc_dtype,
         "intermediates": {role: [list(d.shape), list(d.strides), d.dtype] for role, d in plan.intermediates.items()},
         "parts": parts, "chosen_by": plan.chosen_by, "created": time.time(), "build_ms": plan.build_ms,
+        "plan_rules": dict(rules or {}),
     }
     return PlanRecord(key=plan.signature, blob=msgpack.packb(blobs, use_bin_type=True), meta=meta)
 
@@ -85,6 +88,10 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
     """
     meta = record.meta
     if meta.get("schema") != RECORD_SCHEMA or _spec_of(meta) != spec:
+        return None
+    if rules_behind(meta, session.plan_rules(spec)):
+        log.info("plan record %s was planned under older rules (%s, now %s); building anew", record.key[:16],
+                 rules_of(meta), session.plan_rules(spec))
         return None
     try:
         blobs = msgpack.unpackb(record.blob, raw=False)

@@ -313,12 +313,17 @@ class Session:
     def _store(self, plan: Plan) -> None:
         if self.store is None and self.remote is None:
             return
-        record = plan_to_record(plan, env=self.env, policy=self._policy)
+        record = plan_to_record(plan, env=self.env, policy=self._policy, rules=self.plan_rules(plan.spec))
         # Never let a heuristic choice overwrite an autotuned record another process wrote meanwhile.
         if self.store is not None and self.store.put(record, keep_existing=functools.partial(keep_stored, record)):
             self._count("disk_writes")
         if self.remote is not None:
             _write_through(self, record)
+
+    def plan_rules(self, spec) -> dict[str, int]:
+        """The planning rules (name -> version) that decide `spec`'s plan: a stored record planned under
+        older ones is built anew."""
+        return plan_rules(spec)
 
     def counters(self) -> dict[str, Any]:
         """This session's counters alone (memory/disk hits, builds, autotunes, timings, ...): no disk access."""
@@ -688,6 +693,19 @@ def _fusion_order(spec, fuse: bool) -> tuple[bool, ...]:
     if not fuse:
         return (False,)
     return (False, True) if _depthwise_fwd(spec) else (True, False)
+
+
+# Planning rules that changed which plan a spec gets, {name: version}: a stored record planned before a rule
+# (or under an older version of it) is built anew and replaced, even if autotuned; other records stay valid.
+# Bump a rule's version when its choice changes; add one for a new rule.
+PLAN_RULES = {"depthwise_fwd_epilogue_unfused": 1}
+
+
+def plan_rules(spec) -> dict[str, int]:
+    """The PLAN_RULES that decide `spec`'s plan (stored in its record, checked when the record loads)."""
+    if _depthwise_fwd(spec) and spec.has_epilogue:
+        return {"depthwise_fwd_epilogue_unfused": PLAN_RULES["depthwise_fwd_epilogue_unfused"]}
+    return {}
 
 
 def _depthwise_fwd(spec) -> bool:
