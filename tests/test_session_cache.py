@@ -174,3 +174,12 @@ def test_a_record_planned_under_older_rules_is_built_anew(fake_env, caplog):
     session._restore_part = lambda *a: calls.append(a) or (None, "disk")  # no GPU here: stop at the parts
     session._new_plan = lambda *a, **k: "plan"
     assert load_plan(stamped, spec=spec, session=session).plan == "plan" and len(calls) == 1
+
+
+def test_cache_verify_names_a_record_planned_under_older_rules():
+    from cudnn_graphs.environment import environment
+    from cudnn_graphs.plan.verify import verify_load
+
+    spec = _depthwise_bias()
+    status, detail = verify_load(plan_to_record(_fake_plan(spec), env=environment(0)))
+    assert status == "unusable" and "older rules" in detail and "depthwise_fwd_epilogue_unfused" in detail

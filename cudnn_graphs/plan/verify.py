@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cache.policy import SESSION_FLAGS, for_machine
+from ..cache.policy import SESSION_FLAGS, for_machine, rules_behind, rules_of
 from ..cache.records import _spec_of, load_plan
 from ..environment import environment
-from .session import Session
+from .session import Session, plan_rules
 
 
 def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -> tuple[str, str]:
@@ -21,6 +21,9 @@ def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -
         return "unusable", "spec not readable by this version of cudnn-graphs"
     if not for_machine(record.meta, environment(device)):
         return "foreign", "recorded on another GPU or with other cuDNN/CUDA versions"
+    if rules_behind(record.meta, plan_rules(spec)):
+        return "unusable", (f"planned under older rules ({rules_of(record.meta) or 'none'}, now {plan_rules(spec)}): "
+                            "the next session builds it anew")
     flags = {k: bool(record.meta["environment"].get(k)) for k in SESSION_FLAGS}
     sessions = {} if sessions is None else sessions
     session = sessions.get(tuple(flags.items()))
