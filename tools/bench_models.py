@@ -113,6 +113,7 @@ def bench_model(name: str, args) -> dict:
     train = _alternate(steps, rounds=args.rounds, steps=args.steps)
     out["train_ms"] = train
     out["train_speedup"] = train["torch"] / train["ours"]
+    print(json.dumps({"model": name, "train_ms": train}), flush=True)  # kept if a time limit cuts the rest
     del steps, models
 
     # -- inference --------------------------------------------------------------------------------
