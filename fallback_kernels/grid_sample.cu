@@ -309,8 +309,8 @@ template <int ND, int MODE> struct Taps { static constexpr int K = MODE == MODE_
 // A channels-first lane taking one channel at a time instead of 4 measured 1.3-4.6x slower (H100).
 // ---------------------------------------------------------------------------------------------------
 // Blocks of 256 per SM the forward is compiled for. Left alone, f32 bilinear took 96 registers (2 blocks);
-// capped for 3 (2-D bilinear) or 2 it ran 1.3-2x faster on channels-last inputs and on smooth grids, 1.3x
-// slower on uniformly random channels-first ones (more warps evict each other's lines), H100:
+// capped for 3 (2-D bilinear) or 2 it ran 1.3-2x faster on channels-last inputs and on smooth grids, 1.1-1.3x
+// slower on uniformly random channels-first ones (more warps evict each other's lines, we suppose), H100:
 // tools/results/2026-11-25-h100-probe_grid_sample_forward_min_blocks.json. -DGS_FWD_MIN_BLOCKS=n overrides.
 #ifdef GS_FWD_MIN_BLOCKS
 #define GS_FWD_BLOCKS(A, ND, MODE) GS_FWD_MIN_BLOCKS
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(co
         const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
         const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
 
-        // Each tap once: its offset within a channel plane and its weight (0 where it falls outside).
+        // Each tap once: its offset within a channel plane (-1 where it falls outside) and its weight.
         long long off[K];
         A w[K];
         A tx = static_cast<A>(0), ty = static_cast<A>(0);
