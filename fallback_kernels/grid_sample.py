@@ -596,9 +596,10 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
             flags |= F_IN_VEC
         if _vec_ok(0, out.strides, out.shape, item):
             flags |= F_GO_VEC
-        if out.strides[1] != 1:
+        channels_last = out.strides[1] == 1
+        if not channels_last:
             flags |= F_POINT_FAST
-        lanes_log2 = _forward_lanes_log2(geo, channels_last=out.strides[1] == 1)
+        lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
         g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
                         go=_nc5(out.strides, geo.nd), lanes_log2=lanes_log2, flags=flags)
         threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))

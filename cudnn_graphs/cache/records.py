@@ -89,9 +89,10 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
     meta = record.meta
     if meta.get("schema") != RECORD_SCHEMA or _spec_of(meta) != spec:
         return None
-    if rules_behind(meta, session.plan_rules(spec)):
+    rules = session.plan_rules(spec)
+    if rules_behind(meta, rules):
         log.info("plan record %s was planned under older rules (%s, now %s); building anew", record.key[:16],
-                 rules_of(meta), session.plan_rules(spec))
+                 rules_of(meta), rules)
         return None
     try:
         blobs = msgpack.unpackb(record.blob, raw=False)

@@ -21,8 +21,9 @@ def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -
         return "unusable", "spec not readable by this version of cudnn-graphs"
     if not for_machine(record.meta, environment(device)):
         return "foreign", "recorded on another GPU or with other cuDNN/CUDA versions"
-    if rules_behind(record.meta, plan_rules(spec)):
-        return "unusable", (f"planned under older rules ({rules_of(record.meta) or 'none'}, now {plan_rules(spec)}): "
+    rules = plan_rules(spec)
+    if rules_behind(record.meta, rules):
+        return "unusable", (f"planned under older rules ({rules_of(record.meta) or 'none'}, now {rules}): "
                             "the next session builds it anew")
     flags = {k: bool(record.meta["environment"].get(k)) for k in SESSION_FLAGS}
     sessions = {} if sessions is None else sessions
