@@ -20,6 +20,9 @@
 //                int64 fixed point, which do not depend on the order.
 //   gs_to_cl / gs_from_cl   tiled transposes between any-strided (N, C, spatial) and channels-last.
 //
+// Every backward kernel reads a point's taps (which fall inside, their pixels and input offsets, weights and
+// grad_grid coefficients) through one helper, PointTaps (point_coords / grid_point build its coordinates).
+//
 // All element offsets are 64-bit; pixel coordinates are int, as in ATen (sizes are checked on the host).
 
 #include "types.cuh"
@@ -302,6 +305,165 @@ __device__ __forceinline__ int min_nc(long long C, long long c0) { return (int)(
 template <int ND, int MODE> struct Taps { static constexpr int K = MODE == MODE_NEAREST ? 1 : MODE == MODE_BICUBIC ? 16 : (1 << ND); };
 
 // ---------------------------------------------------------------------------------------------------
+// One point's taps, the single per-tap helper of the three backward algorithms (fast, tile, deterministic).
+// ---------------------------------------------------------------------------------------------------
+// A point's source coordinates from its grid values: bilinear / nearest the padded source index, bicubic the
+// unnormalised one (its padding applies per tap); mult[a] = d coordinate / d grid value (ATen's gInp
+// multipliers; 0 for nearest, whose grad_grid is 0).
+template <typename A, int ND, int MODE>
+__device__ __forceinline__ void point_coords(A x, A y, A z, const Geo& g, A c[ND], A mult[ND]) {
+    const int pad = (int)g.pad;
+    const bool align = g.align != 0;
+    if constexpr (MODE == MODE_BICUBIC) {
+        c[0] = unnormalize_set_grad(x, (int)g.IW, align, &mult[0]);
+        c[1] = unnormalize_set_grad(y, (int)g.IH, align, &mult[1]);
+    } else {
+        c[0] = source_index_set_grad(x, (int)g.IW, pad, align, &mult[0]);
+        c[1] = source_index_set_grad(y, (int)g.IH, pad, align, &mult[1]);
+        if constexpr (ND == 3) c[ND - 1] = source_index_set_grad(z, (int)g.ID, pad, align, &mult[ND - 1]);
+        if constexpr (MODE == MODE_NEAREST) {
+#pragma unroll
+            for (int a = 0; a < ND; ++a) mult[a] = static_cast<A>(0);
+        }
+    }
+}
+
+// Output point p's (od, oh, ow) within its batch item. I: p's type (the tile kernels' int points decode in
+// 32 bits with no range check).
+template <typename I> __device__ __forceinline__ void point_at(I p, const Geo& g, I& od, I& oh, I& ow) {
+    if constexpr (sizeof(I) == 4) {
+        const int OW = (int)g.OW, OH = (int)g.OH, r = p / OW;
+        ow = p % OW; oh = r % OH; od = r / OH;
+    } else {
+        od = div_rem(div_rem(p, g.OW, ow), g.OH, oh);
+    }
+}
+
+// A point's coordinates (point_coords) from its grid values at gp, the coordinate gr_sK apart.
+template <typename T, typename A, int ND, int MODE>
+__device__ __forceinline__ void grid_coords(const T* __restrict__ gp, const Geo& g, A c[ND], A mult[ND]) {
+    const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
+    const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
+    point_coords<A, ND, MODE>(x, y, z, g, c, mult);
+}
+
+// Point p of batch item n: its coordinates from its grid values, read through the grid's strides.
+template <typename T, typename A, int ND, int MODE, typename I>
+__device__ __forceinline__ void grid_point(const T* __restrict__ grid, long long n, I p, const Geo& g, A c[ND],
+                                           A mult[ND]) {
+    I od, oh, ow;
+    point_at(p, g, od, oh, ow);
+    grid_coords<T, A, ND, MODE>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, mult);
+}
+
+// A point's taps from its coordinates: ok(k) when tap k falls inside (any(): some tap does); its pixel dst(k) within the batch item
+// (dense planes) and its offset src(k, g) through the input's strides; its weight w(k), what multiplies
+// grad_output in ATen's grad_input update; and the grad_grid coefficients: grad_grid[a] = mult[a] * the sum
+// over taps in_gg(k) and channels of cg(a, k) * input value * grad_output (ATen's sums, regrouped). Built
+// from the stored coordinates too (the deterministic gathers), so every algorithm sees the same taps.
+template <typename A, int ND, int MODE> struct PointTaps;
+
+// a[i] by selects: a tap index known only at run time (the deterministic gathers) would otherwise index the
+// arrays dynamically and put the whole PointTaps in local memory.
+template <typename V, int N> __device__ __forceinline__ V pick(const V (&a)[N], int i) {
+    V v = a[0];
+#pragma unroll
+    for (int j = 1; j < N; ++j) v = i == j ? a[j] : v;
+    return v;
+}
+
+template <typename A, int ND> struct PointTaps<A, ND, MODE_BILINEAR> {
+    static constexpr int K = Taps<ND, MODE_BILINEAR>::K;
+    int x0, y0, z0, IH, IW;  // the lowest corner
+    unsigned int okmask;
+    A wx[2], wy[2], wz[2];  // per axis, the weights of the lower and the upper corner
+    __device__ __forceinline__ PointTaps(const A c[ND], const Geo& g) : IH((int)g.IH), IW((int)g.IW) {
+        const A iz = ND == 3 ? c[ND - 1] : static_cast<A>(0);
+        x0 = static_cast<int>(m_floor(c[0])); y0 = static_cast<int>(m_floor(c[1])); z0 = static_cast<int>(m_floor(iz));
+        wx[0] = static_cast<A>(x0 + 1) - c[0]; wx[1] = c[0] - static_cast<A>(x0);
+        wy[0] = static_cast<A>(y0 + 1) - c[1]; wy[1] = c[1] - static_cast<A>(y0);
+        wz[0] = static_cast<A>(z0 + 1) - iz; wz[1] = iz - static_cast<A>(z0);
+        const int ID = (int)g.ID;
+        okmask = 0;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int xx = x0 + (k & 1), yy = y0 + ((k >> 1) & 1), zz = z0 + (k >> 2);
+            if (xx >= 0 && xx < IW && yy >= 0 && yy < IH && zz >= 0 && zz < ID) okmask |= 1u << k;
+        }
+    }
+    __device__ __forceinline__ bool any() const { return okmask != 0u; }
+    __device__ __forceinline__ bool ok(int k) const { return (okmask >> k) & 1u; }
+    __device__ __forceinline__ bool in_gg(int k) const { return ok(k); }
+    template <typename I = long long> __device__ __forceinline__ I dst(int k) const {
+        return ((I)(z0 + (k >> 2)) * IH + y0 + ((k >> 1) & 1)) * IW + x0 + (k & 1);
+    }
+    __device__ __forceinline__ long long src(int k, const Geo& g) const {  // the lowest corner's + a constant
+        return (z0 * g.in_sD + y0 * g.in_sH + x0 * g.in_sW) + ((k >> 2) * g.in_sD + ((k >> 1) & 1) * g.in_sH + (k & 1) * g.in_sW);
+    }
+    __device__ __forceinline__ A w(int k) const {
+        const A v = pick(wx, k & 1) * pick(wy, (k >> 1) & 1);
+        return ND == 3 ? v * pick(wz, k >> 2) : v;
+    }
+    __device__ __forceinline__ A cg(int a, int k) const {  // d w(k) / d (ix, iy, iz)
+        const A x = pick(wx, k & 1), y = pick(wy, (k >> 1) & 1), z = pick(wz, k >> 2);
+        const A v = a == 0 ? (ND == 3 ? y * z : y) : a == 1 ? (ND == 3 ? x * z : x) : x * y;
+        return (a == 0 ? k & 1 : a == 1 ? (k >> 1) & 1 : k >> 2) ? v : -v;
+    }
+};
+
+template <typename A, int ND> struct PointTaps<A, ND, MODE_NEAREST> {
+    static constexpr int K = 1;
+    int x0, y0, z0, IH, IW;  // the nearest pixel
+    bool inside;
+    __device__ __forceinline__ PointTaps(const A c[ND], const Geo& g) : IH((int)g.IH), IW((int)g.IW) {
+        x0 = static_cast<int>(m_rint(c[0]));
+        y0 = static_cast<int>(m_rint(c[1]));
+        z0 = ND == 3 ? static_cast<int>(m_rint(c[ND - 1])) : 0;
+        inside = x0 >= 0 && x0 < IW && y0 >= 0 && y0 < IH && z0 >= 0 && z0 < (int)g.ID;
+    }
+    __device__ __forceinline__ bool any() const { return inside; }
+    __device__ __forceinline__ bool ok(int) const { return inside; }
+    __device__ __forceinline__ bool in_gg(int) const { return false; }  // nearest: grad_grid is 0
+    template <typename I = long long> __device__ __forceinline__ I dst(int) const { return ((I)z0 * IH + y0) * IW + x0; }
+    __device__ __forceinline__ long long src(int, const Geo& g) const { return z0 * g.in_sD + y0 * g.in_sH + x0 * g.in_sW; }
+    __device__ __forceinline__ A w(int) const { return static_cast<A>(1); }
+    __device__ __forceinline__ A cg(int, int) const { return static_cast<A>(0); }
+};
+
+template <typename A> struct PointTaps<A, 2, MODE_BICUBIC> {
+    static constexpr int K = 16;  // k = 4 * row + column
+    int rx[4], ry[4], IW;
+    A xc[4], yc[4], xg[4], yg[4];
+    __device__ __forceinline__ PointTaps(const A c[2], const Geo& g) : IW((int)g.IW) {
+        const int pad = (int)g.pad, IH = (int)g.IH;
+        const bool align = g.align != 0;
+        const A fx = m_floor(c[0]), fy = m_floor(c[1]);
+        cubic_coefficients<A>(xc, c[0] - fx);
+        cubic_coefficients<A>(yc, c[1] - fy);
+        cubic_coefficients_grad<A>(xg, c[0] - fx);
+        cubic_coefficients_grad<A>(yg, c[1] - fy);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { rx[i] = cubic_tap(fx, i, IW, pad, align); ry[i] = cubic_tap(fy, i, IH, pad, align); }
+    }
+    __device__ __forceinline__ bool any() const {
+        return (rx[0] >= 0 || rx[1] >= 0 || rx[2] >= 0 || rx[3] >= 0) && (ry[0] >= 0 || ry[1] >= 0 || ry[2] >= 0 || ry[3] >= 0);
+    }
+    __device__ __forceinline__ bool ok(int k) const { return pick(rx, k & 3) >= 0 && pick(ry, k >> 2) >= 0; }
+    // ATen adds value 0 for taps outside too: 0 * a NaN coefficient is NaN.
+    __device__ __forceinline__ bool in_gg(int) const { return true; }
+    template <typename I = long long> __device__ __forceinline__ I dst(int k) const {
+        return (I)pick(ry, k >> 2) * IW + pick(rx, k & 3);
+    }
+    __device__ __forceinline__ long long src(int k, const Geo& g) const {
+        return pick(ry, k >> 2) * g.in_sH + pick(rx, k & 3) * g.in_sW;
+    }
+    __device__ __forceinline__ A w(int k) const { return pick(xc, k & 3) * pick(yc, k >> 2); }
+    __device__ __forceinline__ A cg(int a, int k) const {
+        return a == 0 ? -(pick(xg, k & 3) * pick(yc, k >> 2)) : -(pick(yg, k >> 2) * pick(xc, k & 3));
+    }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // Forward: L = 2^lanes_log2 lanes per output point (at most one per group of VEC channels); lane l computes
 // the point's taps and weights once, then takes channel groups l, l + L, ... (ATen's kernel is L = 1: one
 // thread loops over every channel). F_POINT_FAST: points vary fastest across threads (channels-first
@@ -443,14 +605,14 @@ template <typename T, typename A, int ND, int MODE>
 __global__ void __launch_bounds__(256, GS_BWD_BLOCKS(A, ND, MODE)) gs_backward(const T* __restrict__ go, const T* __restrict__ inp,
                                                    const T* __restrict__ grid, A* __restrict__ gi,
                                                    T* __restrict__ gg, const Geo g) {
+    constexpr int K = PointTaps<A, ND, MODE>::K;
+    constexpr int KB = K <= 8 ? K : 4;  // taps whose input loads are in flight together (bicubic: a row)
     const int lg = (int)g.lanes_log2, L = 1 << lg;
     const long long P = g.OD * g.OH * g.OW, NP = g.N * P, C = g.C;
     const long long total = NP << lg;
-    const int ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW, pad = (int)g.pad;
-    const bool align = g.align != 0;
     const bool do_gi = (g.flags & F_GI) != 0, do_gg = (g.flags & F_GG) != 0;
     const bool in_vec = (g.flags & F_IN_VEC) != 0, go_vec = (g.flags & F_GO_VEC) != 0, gi_vec = (g.flags & F_GI_VEC) != 0;
-    const long long S = (long long)ID * IH * IW;
+    const long long S = g.ID * g.IH * g.IW;
     // Whole warps iterate together so the shuffles below always see all 32 lanes.
     for (long long base = blockIdx.x * (long long)blockDim.x + (threadIdx.x & ~31); base < total;
          base += (long long)gridDim.x * blockDim.x) {
@@ -463,146 +625,57 @@ __global__ void __launch_bounds__(256, GS_BWD_BLOCKS(A, ND, MODE)) gs_backward(c
         for (int a = 0; a < ND; ++a) { gsum[a] = static_cast<A>(0); mult[a] = static_cast<A>(0); }
         if (active) {
             long long p;
-        const long long n = div_rem(np, P, p);
-            long long ow, oh;
-        const long long od = div_rem(div_rem(p, g.OW, ow), g.OH, oh);
-            const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-            const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
-            const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
+            const long long n = div_rem(np, P, p);
+            long long od, oh, ow;
+            point_at(p, g, od, oh, ow);
+            A c[ND];
+            grid_coords<T, A, ND, MODE>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, mult);
+            const PointTaps<A, ND, MODE> tp(c, g);
             const T* go_p = go + n * g.go_sN + od * g.go_sD + oh * g.go_sH + ow * g.go_sW;
             const T* in_n = inp + n * g.in_sN;
             A* gi_n = gi + n * S * C;
-
-            if constexpr (MODE == MODE_BILINEAR) {
-                const A ix = source_index_set_grad(x, IW, pad, align, &mult[0]);
-                const A iy = source_index_set_grad(y, IH, pad, align, &mult[1]);
-                A iz = static_cast<A>(0), mz;
-                if constexpr (ND == 3) { iz = source_index_set_grad(z, ID, pad, align, &mz); mult[ND - 1] = mz; }
-                const int x0 = static_cast<int>(m_floor(ix)), y0 = static_cast<int>(m_floor(iy)), z0 = static_cast<int>(m_floor(iz));
-                const A wx[2] = {static_cast<A>(x0 + 1) - ix, ix - static_cast<A>(x0)};
-                const A wy[2] = {static_cast<A>(y0 + 1) - iy, iy - static_cast<A>(y0)};
-                const A wz[2] = {static_cast<A>(z0 + 1) - iz, iz - static_cast<A>(z0)};
-                constexpr int K = 1 << ND;
-                // Corner k = dz * 4 + dy * 2 + dx (ATen's nw, ne, sw, se; t* then b* in 3-D).
-                unsigned int okmask = 0;
-#pragma unroll
-                for (int k = 0; k < K; ++k) {
-                    const int xx = x0 + (k & 1), yy = y0 + ((k >> 1) & 1), zz = z0 + (k >> 2);
-                    if (xx >= 0 && xx < IW && yy >= 0 && yy < IH && zz >= 0 && zz < ID) okmask |= 1u << k;
-                }
-                const long long in_base = z0 * g.in_sD + y0 * g.in_sH + x0 * g.in_sW;
-                const long long gi_base = ((long long)(z0 * (long long)IH + y0) * IW + x0) * C;
+            // Channels to visit: for grad_input where a tap falls inside; for grad_grid (nearest's is 0) too, or
+            // always for bicubic, whose outside taps count (0 * NaN).
+            const bool work = (do_gi && tp.any()) || (MODE != MODE_NEAREST && do_gg && (tp.any() || MODE == MODE_BICUBIC));
+            const long long c_end = work ? C : 0;
 #pragma unroll 1
-                for (long long c0 = (long long)l * VEC; c0 < C; c0 += (long long)L * VEC) {
-                    const int nc = min_nc(C, c0);
-                    A gv[VEC];
-                    load_ch(go_p + c0 * g.go_sC, g.go_sC, nc, go_vec, gv);
-                    if (do_gg) {  // every corner's loads first, so they are in flight together
-                        A v[K][VEC];
+            for (long long c0 = (long long)l * VEC; c0 < c_end; c0 += (long long)L * VEC) {
+                const int nc = min_nc(C, c0);
+                A gv[VEC];
+                load_ch(go_p + c0 * g.go_sC, g.go_sC, nc, go_vec, gv);
+                if (MODE != MODE_NEAREST && do_gg) {  // nearest: grad_grid is 0 (mult is 0), no input read
 #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if (okmask & (1u << k)) {
-                                const long long off = in_base + (k >> 2) * g.in_sD + ((k >> 1) & 1) * g.in_sH + (k & 1) * g.in_sW;
-                                load_ch(in_n + off + c0 * g.in_sC, g.in_sC, nc, in_vec, v[k]);
+                    for (int k0 = 0; k0 < K; k0 += KB) {
+                        A v[KB][VEC];
+#pragma unroll
+                        for (int b = 0; b < KB; ++b) {
+                            if (tp.ok(k0 + b)) {
+                                load_ch(in_n + tp.src(k0 + b, g) + c0 * g.in_sC, g.in_sC, nc, in_vec, v[b]);
                             } else {
 #pragma unroll
-                                for (int c = 0; c < VEC; ++c) v[k][c] = static_cast<A>(0);
+                                for (int c = 0; c < VEC; ++c) v[b][c] = static_cast<A>(0);
                             }
                         }
 #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if (!(okmask & (1u << k))) continue;
-                            const int dx = k & 1, dy = (k >> 1) & 1, dz = k >> 2;
+                        for (int b = 0; b < KB; ++b) {
+                            if (!tp.in_gg(k0 + b)) continue;
                             A dot = static_cast<A>(0);
 #pragma unroll
-                            for (int c = 0; c < VEC; ++c) dot += v[k][c] * gv[c];
-                            const A sx = dx ? dot : -dot, sy = dy ? dot : -dot;
-                            if constexpr (ND == 3) {
-                                const A sz = dz ? dot : -dot;
-                                gsum[0] += sx * (wy[dy] * wz[dz]);
-                                gsum[1] += sy * (wx[dx] * wz[dz]);
-                                gsum[ND - 1] += sz * (wx[dx] * wy[dy]);
-                            } else {
-                                gsum[0] += sx * wy[dy];
-                                gsum[1] += sy * wx[dx];
-                            }
-                        }
-                    }
-                    if (do_gi) {
+                            for (int c = 0; c < VEC; ++c) dot += v[b][c] * gv[c];
 #pragma unroll
-                        for (int k = 0; k < K; ++k) {
-                            if (!(okmask & (1u << k))) continue;
-                            const int dx = k & 1, dy = (k >> 1) & 1, dz = k >> 2;
-                            const A w = ND == 3 ? wx[dx] * wy[dy] * wz[dz] : wx[dx] * wy[dy];
-                            A d[VEC];
-#pragma unroll
-                            for (int c = 0; c < VEC; ++c) d[c] = w * gv[c];
-                            const long long off = gi_base + ((long long)(dz * (long long)IH + dy) * IW + dx) * C;
-                            red_add_ch(gi_n + off + c0, nc, gi_vec, d);
+                            for (int a = 0; a < ND; ++a) gsum[a] += tp.cg(a, k0 + b) * dot;
                         }
                     }
                 }
-            } else if constexpr (MODE == MODE_NEAREST) {
-                A m;
-                const A ix = source_index_set_grad(x, IW, pad, align, &m);
-                const A iy = source_index_set_grad(y, IH, pad, align, &m);
-                const A iz = ND == 3 ? source_index_set_grad(z, ID, pad, align, &m) : static_cast<A>(0);
-                const int xn = static_cast<int>(m_rint(ix)), yn = static_cast<int>(m_rint(iy)), zn = static_cast<int>(m_rint(iz));
-                if (do_gi && xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID) {
-                    A* dst = gi_n + ((long long)(zn * (long long)IH + yn) * IW + xn) * C;
-    #pragma unroll 1
-                for (long long c0 = (long long)l * VEC; c0 < C; c0 += (long long)L * VEC) {
-                        const int nc = min_nc(C, c0);
-                        A gv[VEC];
-                        load_ch(go_p + c0 * g.go_sC, g.go_sC, nc, go_vec, gv);
-                        red_add_ch(dst + c0, nc, gi_vec, gv);
-                    }
-                }
-            } else {  // bicubic, 2-D
-                const A ix = unnormalize_set_grad(x, IW, align, &mult[0]);
-                const A iy = unnormalize_set_grad(y, IH, align, &mult[1]);
-                const A fx = m_floor(ix), fy = m_floor(iy);
-                const A tx = ix - fx, ty = iy - fy;
-                A xc[4], yc[4], xg[4], yg[4];
-                cubic_coefficients<A>(xc, tx);
-                cubic_coefficients<A>(yc, ty);
-                cubic_coefficients_grad<A>(xg, tx);
-                cubic_coefficients_grad<A>(yg, ty);
-                int rx[4], ry[4];
+                if (do_gi) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) { rx[i] = cubic_tap(fx, i, IW, pad, align); ry[i] = cubic_tap(fy, i, IH, pad, align); }
-#pragma unroll 1
-                for (long long c0 = (long long)l * VEC; c0 < C; c0 += (long long)L * VEC) {
-                    const int nc = min_nc(C, c0);
-                    A gv[VEC];
-                    load_ch(go_p + c0 * g.go_sC, g.go_sC, nc, go_vec, gv);
+                    for (int k = 0; k < K; ++k) {
+                        if (!tp.ok(k)) continue;
+                        const A w = tp.w(k);
+                        A d[VEC];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const bool ok = rx[i] >= 0 && ry[j] >= 0;
-                            if (do_gi && ok) {
-                                const A wij = xc[i] * yc[j];
-                                A d[VEC];
-#pragma unroll
-                                for (int c = 0; c < VEC; ++c) d[c] = gv[c] * wij;
-                                red_add_ch(gi_n + ((long long)ry[j] * IW + rx[i]) * C + c0, nc, gi_vec, d);
-                            }
-                            if (do_gg) {  // ATen adds val = 0 for taps outside too: 0 * NaN coefficients is NaN
-                                A v[VEC];
-                                if (ok) {
-                                    load_ch(in_n + ry[j] * g.in_sH + rx[i] * g.in_sW + c0 * g.in_sC, g.in_sC, nc, in_vec, v);
-                                } else {
-#pragma unroll
-                                    for (int c = 0; c < VEC; ++c) v[c] = static_cast<A>(0);
-                                }
-                                A dot = static_cast<A>(0);
-#pragma unroll
-                                for (int c = 0; c < VEC; ++c) dot += v[c] * gv[c];
-                                gsum[0] -= xg[i] * yc[j] * dot;
-                                gsum[1] -= yg[j] * xc[i] * dot;
-                            }
-                        }
+                        for (int c = 0; c < VEC; ++c) d[c] = w * gv[c];
+                        red_add_ch(gi_n + tp.dst(k) * C + c0, nc, gi_vec, d);
                     }
                 }
             }
@@ -613,8 +686,7 @@ __global__ void __launch_bounds__(256, GS_BWD_BLOCKS(A, ND, MODE)) gs_backward(c
                 for (int m = L >> 1; m > 0; m >>= 1) gsum[a] += shfl_xor(gsum[a], m);
             if (active && l == 0) {
 #pragma unroll
-                for (int a = 0; a < ND; ++a)
-                    gg[np * ND + a] = from_acc<T>(MODE == MODE_NEAREST ? static_cast<A>(0) : mult[a] * gsum[a]);
+                for (int a = 0; a < ND; ++a) gg[np * ND + a] = from_acc<T>(mult[a] * gsum[a]);
             }
         }
     }
@@ -636,104 +708,6 @@ __global__ void __launch_bounds__(256, GS_BWD_BLOCKS(A, ND, MODE)) gs_backward(c
 // The order of entries within a segment follows shared-memory atomics (fast), or, for the deterministic
 // backward, is sorted by (point, weight) in the sort kernel: then every sum has one order, bit-identical run to run.
 // ---------------------------------------------------------------------------------------------------
-
-// One point's taps: ok(k) when tap k falls inside, its pixel dst(k) in the batch item, its weight w(k), and the
-// grad_grid coefficients: grad_grid[a] = mult[a] * sum over taps in_gg(k) and channels of
-// cg(a, k) * input value * grad_output (ATen's sums, regrouped).
-template <typename A, int ND, int MODE> struct PointTaps;
-
-template <typename A, int ND> struct PointTaps<A, ND, MODE_BILINEAR> {
-    static constexpr int K = 1 << ND;
-    int x0, y0, z0, IH, IW;
-    unsigned int okmask;
-    A wx[2], wy[2], wz[2], mult[ND];
-    __device__ __forceinline__ PointTaps(A x, A y, A z, const Geo& g) {
-        const int pad = (int)g.pad, ID = (int)g.ID;
-        const bool align = g.align != 0;
-        IH = (int)g.IH;
-        IW = (int)g.IW;
-        const A ix = source_index_set_grad(x, IW, pad, align, &mult[0]);
-        const A iy = source_index_set_grad(y, IH, pad, align, &mult[1]);
-        A iz = static_cast<A>(0), mz;
-        if constexpr (ND == 3) { iz = source_index_set_grad(z, ID, pad, align, &mz); mult[ND - 1] = mz; }
-        x0 = static_cast<int>(m_floor(ix)); y0 = static_cast<int>(m_floor(iy)); z0 = static_cast<int>(m_floor(iz));
-        wx[0] = static_cast<A>(x0 + 1) - ix; wx[1] = ix - static_cast<A>(x0);
-        wy[0] = static_cast<A>(y0 + 1) - iy; wy[1] = iy - static_cast<A>(y0);
-        wz[0] = static_cast<A>(z0 + 1) - iz; wz[1] = iz - static_cast<A>(z0);
-        okmask = 0;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int xx = x0 + (k & 1), yy = y0 + ((k >> 1) & 1), zz = z0 + (k >> 2);
-            if (xx >= 0 && xx < IW && yy >= 0 && yy < IH && zz >= 0 && zz < ID) okmask |= 1u << k;
-        }
-    }
-    __device__ __forceinline__ bool ok(int k) const { return (okmask >> k) & 1u; }
-    __device__ __forceinline__ bool in_gg(int k) const { return ok(k); }
-    __device__ __forceinline__ int dst(int k) const {
-        return ((z0 + (k >> 2)) * IH + y0 + ((k >> 1) & 1)) * IW + x0 + (k & 1);
-    }
-    __device__ __forceinline__ A w(int k) const {
-        const A v = wx[k & 1] * wy[(k >> 1) & 1];
-        return ND == 3 ? v * wz[k >> 2] : v;
-    }
-    __device__ __forceinline__ A cg(int a, int k) const {  // d w(k) / d (ix, iy, iz)
-        const int dx = k & 1, dy = (k >> 1) & 1, dz = k >> 2;
-        const A v = a == 0 ? (ND == 3 ? wy[dy] * wz[dz] : wy[dy]) : a == 1 ? (ND == 3 ? wx[dx] * wz[dz] : wx[dx])
-                                                                           : wx[dx] * wy[dy];
-        return (a == 0 ? dx : a == 1 ? dy : dz) ? v : -v;
-    }
-};
-
-template <typename A, int ND> struct PointTaps<A, ND, MODE_NEAREST> {
-    static constexpr int K = 1;
-    int d;
-    A mult[ND];
-    __device__ __forceinline__ PointTaps(A x, A y, A z, const Geo& g) {
-        const int pad = (int)g.pad, ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW;
-        const bool align = g.align != 0;
-        A m;
-        const int xn = static_cast<int>(m_rint(source_index_set_grad(x, IW, pad, align, &m)));
-        const int yn = static_cast<int>(m_rint(source_index_set_grad(y, IH, pad, align, &m)));
-        const int zn = ND == 3 ? static_cast<int>(m_rint(source_index_set_grad(z, ID, pad, align, &m))) : 0;
-        d = xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID ? (zn * IH + yn) * IW + xn : -1;
-#pragma unroll
-        for (int a = 0; a < ND; ++a) mult[a] = static_cast<A>(0);
-    }
-    __device__ __forceinline__ bool ok(int) const { return d >= 0; }
-    __device__ __forceinline__ bool in_gg(int) const { return false; }  // nearest: grad_grid is 0
-    __device__ __forceinline__ int dst(int) const { return d; }
-    __device__ __forceinline__ A w(int) const { return static_cast<A>(1); }
-    __device__ __forceinline__ A cg(int, int) const { return static_cast<A>(0); }
-};
-
-template <typename A> struct PointTaps<A, 2, MODE_BICUBIC> {
-    static constexpr int K = 16;
-    int rx[4], ry[4], IW;
-    A xc[4], yc[4], xg[4], yg[4], mult[2];
-    __device__ __forceinline__ PointTaps(A x, A y, A, const Geo& g) {
-        const int pad = (int)g.pad, IH = (int)g.IH;
-        const bool align = g.align != 0;
-        IW = (int)g.IW;
-        const A ix = unnormalize_set_grad(x, IW, align, &mult[0]);
-        const A iy = unnormalize_set_grad(y, IH, align, &mult[1]);
-        const A fx = m_floor(ix), fy = m_floor(iy);
-        cubic_coefficients<A>(xc, ix - fx);
-        cubic_coefficients<A>(yc, iy - fy);
-        cubic_coefficients_grad<A>(xg, ix - fx);
-        cubic_coefficients_grad<A>(yg, iy - fy);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) { rx[i] = cubic_tap(fx, i, IW, pad, align); ry[i] = cubic_tap(fy, i, IH, pad, align); }
-    }
-    __device__ __forceinline__ bool ok(int k) const { return rx[k & 3] >= 0 && ry[k >> 2] >= 0; }
-    // ATen adds value 0 for taps outside too: 0 * a NaN coefficient is NaN.
-    __device__ __forceinline__ bool in_gg(int) const { return true; }
-    __device__ __forceinline__ int dst(int k) const { return ry[k >> 2] * IW + rx[k & 3]; }
-    __device__ __forceinline__ A w(int k) const { return xc[k & 3] * yc[k >> 2]; }
-    __device__ __forceinline__ A cg(int a, int k) const {
-        return a == 0 ? -(xg[k & 3] * yc[k >> 2]) : -(yg[k >> 2] * xc[k & 3]);
-    }
-};
-
 
 // Threads per block (TILE_THREADS in grid_sample.py): bicubic's 16 taps need more than 64 registers.
 #define GS_TILE_THREADS(MODE) ((MODE) == MODE_BICUBIC ? 512 : 1024)
@@ -818,15 +792,6 @@ __device__ int block_exclusive_scan(int* a, int n) {
     return total;
 }
 
-// Point p of batch item n, read through the grid's strides.
-template <typename T, int ND, int MODE>
-__device__ __forceinline__ PointTaps<float, ND, MODE> tile_point(const T* __restrict__ grid, long long n, int p, const Geo& g) {
-    const int OW = (int)g.OW, OH = (int)g.OH, ow = p % OW, r = p / OW, oh = r % OH, od = r / OH;
-    const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-    const float x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]), z = ND == 3 ? to_acc(gp[2 * g.gr_sK]) : 0.0f;
-    return PointTaps<float, ND, MODE>(x, y, z, g);
-}
-
 // f(point, pixel - d0, weight) for every tap of batch item n's points (this thread's share) landing in pixels
 // [d0, d0 + nr).
 template <typename T, int ND, int MODE, typename F>
@@ -834,11 +799,13 @@ __device__ __forceinline__ void range_taps(const T* __restrict__ grid, long long
     constexpr int K = PointTaps<float, ND, MODE>::K;
     const int P = (int)(g.OD * g.OH * g.OW);
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const PointTaps<float, ND, MODE> tp = tile_point<T, ND, MODE>(grid, n, p, g);
+        float c[ND], mult[ND];
+        grid_point<T, float, ND, MODE>(grid, n, p, g, c, mult);
+        const PointTaps<float, ND, MODE> tp(c, g);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             if (!tp.ok(k)) continue;
-            const int d = tp.dst(k) - d0;
+            const int d = tp.template dst<int>(k) - d0;
             if ((unsigned int)d < (unsigned int)nr) f(p, d, tp.w(k));
         }
     }
@@ -978,7 +945,9 @@ __global__ void __launch_bounds__(GS_TILE_THREADS(MODE)) gs_tile_gather(
         }
         if (do_gg) {
             for (int p = threadIdx.x; p < P; p += blockDim.x) {
-                const PointTaps<float, ND, MODE> tp = tile_point<T, ND, MODE>(grid, n, p, g);
+                float c[ND], mult[ND];
+                grid_point<T, float, ND, MODE>(grid, n, p, g, c, mult);
+                const PointTaps<float, ND, MODE> tp(c, g);
                 float gv[V], gsum[ND];
                 chunk_values(go_s[chunk_at(p)], gv, static_cast<const T*>(nullptr));
 #pragma unroll
@@ -988,7 +957,7 @@ __global__ void __launch_bounds__(GS_TILE_THREADS(MODE)) gs_tile_gather(
                     if (!tp.in_gg(k)) continue;
                     float f[V];
                     // outside taps add 0 * grad_output, as ATen's do (0 * inf is NaN)
-                    chunk_values(tp.ok(k) ? in_s[chunk_at(tp.dst(k))] : make_uint4(0u, 0u, 0u, 0u), f, static_cast<const T*>(nullptr));
+                    chunk_values(tp.ok(k) ? in_s[chunk_at(tp.template dst<int>(k))] : make_uint4(0u, 0u, 0u, 0u), f, static_cast<const T*>(nullptr));
                     float dot = 0.0f;
 #pragma unroll
                     for (int c = 0; c < V; ++c) dot += f[c] * gv[c];
@@ -998,8 +967,8 @@ __global__ void __launch_bounds__(GS_TILE_THREADS(MODE)) gs_tile_gather(
                 const long long np = n * P + p;
 #pragma unroll
                 for (int a = 0; a < ND; ++a) {
-                    if (slices == 1) gg[np * ND + a] = from_acc<T>(tp.mult[a] * gsum[a]);
-                    else ggp[((long long)blockIdx.x * g.N * P + np) * ND + a] = tp.mult[a] * gsum[a];
+                    if (slices == 1) gg[np * ND + a] = from_acc<T>(mult[a] * gsum[a]);
+                    else ggp[((long long)blockIdx.x * g.N * P + np) * ND + a] = mult[a] * gsum[a];
                 }
             }
         }
@@ -1022,77 +991,24 @@ __global__ void __launch_bounds__(256) gs_gg_sum(const float* __restrict__ ggp, 
 // Deterministic backward for grad_input.
 // ---------------------------------------------------------------------------------------------------
 
-// Bilinear / nearest: the padded source index (backward semantics). Bicubic: the unnormalised one.
-template <typename A, int ND, int MODE>
-__device__ __forceinline__ void point_coords(A x, A y, A z, const Geo& g, A c[ND]) {
-    const int pad = (int)g.pad;
-    const bool align = g.align != 0;
-    A m;
-    if constexpr (MODE == MODE_BICUBIC) {
-        c[0] = unnormalize(x, (int)g.IW, align);
-        c[1] = unnormalize(y, (int)g.IH, align);
-    } else {
-        c[0] = source_index_set_grad(x, (int)g.IW, pad, align, &m);
-        c[1] = source_index_set_grad(y, (int)g.IH, pad, align, &m);
-        if constexpr (ND == 3) c[ND - 1] = source_index_set_grad(z, (int)g.ID, pad, align, &m);
-    }
-}
-
-// Destination pixel (within the batch item) of tap `k` of a point, or -1.
-template <typename A, int ND, int MODE>
-__device__ __forceinline__ long long tap_dest(const A c[ND], int k, const Geo& g) {
-    const int ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW;
-    int xx, yy, zz = 0;
-    if constexpr (MODE == MODE_BILINEAR) {
-        xx = static_cast<int>(m_floor(c[0])) + (k & 1);
-        yy = static_cast<int>(m_floor(c[1])) + ((k >> 1) & 1);
-        if constexpr (ND == 3) zz = static_cast<int>(m_floor(c[ND - 1])) + (k >> 2);
-    } else if constexpr (MODE == MODE_NEAREST) {
-        xx = static_cast<int>(m_rint(c[0]));
-        yy = static_cast<int>(m_rint(c[1]));
-        if constexpr (ND == 3) zz = static_cast<int>(m_rint(c[ND - 1]));
-    } else {
-        xx = cubic_tap(m_floor(c[0]), k & 3, IW, (int)g.pad, g.align != 0);
-        yy = cubic_tap(m_floor(c[1]), k >> 2, IH, (int)g.pad, g.align != 0);
-    }
-    if (xx < 0 || xx >= IW || yy < 0 || yy >= IH || zz < 0 || zz >= ID) return -1;
-    return ((long long)zz * IH + yy) * IW + xx;
-}
-
-// The weight of tap `k` (what multiplies grad_output in ATen's grad_input update).
-template <typename A, int ND, int MODE>
-__device__ __forceinline__ A tap_weight(const A c[ND], int k) {
-    if constexpr (MODE == MODE_BILINEAR) {
-        const int x0 = static_cast<int>(m_floor(c[0])), y0 = static_cast<int>(m_floor(c[1]));
-        const A wx = (k & 1) ? c[0] - static_cast<A>(x0) : static_cast<A>(x0 + 1) - c[0];
-        const A wy = ((k >> 1) & 1) ? c[1] - static_cast<A>(y0) : static_cast<A>(y0 + 1) - c[1];
-        if constexpr (ND == 3) {
-            const int z0 = static_cast<int>(m_floor(c[ND - 1]));
-            const A wz = (k >> 2) ? c[ND - 1] - static_cast<A>(z0) : static_cast<A>(z0 + 1) - c[ND - 1];
-            return wx * wy * wz;
-        }
-        return wx * wy;
-    } else if constexpr (MODE == MODE_NEAREST) {
-        return static_cast<A>(1);
-    } else {
-        A xc[4], yc[4];
-        cubic_coefficients<A>(xc, c[0] - m_floor(c[0]));
-        cubic_coefficients<A>(yc, c[1] - m_floor(c[1]));
-        return xc[k & 3] * yc[k >> 2];
-    }
-}
-
-// Point p of batch item n: its coordinates (point_coords), also stored to out[0 .. ND).
+// Point p of batch item n: its taps, and its coordinates stored to out[0 .. ND) for the gathers.
 template <typename T, typename A, int ND, int MODE>
-__device__ __forceinline__ void store_point_coords(const T* grid, long long n, long long p, const Geo& g, A c[ND], A* out) {
-    long long ow, oh;
-    const long long od = div_rem(div_rem(p, g.OW, ow), g.OH, oh);
-    const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-    const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
-    const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
-    point_coords<A, ND, MODE>(x, y, z, g, c);
+__device__ __forceinline__ PointTaps<A, ND, MODE> stored_point(const T* __restrict__ grid, long long n, long long p,
+                                                               const Geo& g, A* __restrict__ out) {
+    A c[ND], mult[ND];
+    grid_point<T, A, ND, MODE>(grid, n, p, g, c, mult);
 #pragma unroll
     for (int a = 0; a < ND; ++a) out[a] = c[a];
+    return PointTaps<A, ND, MODE>(c, g);
+}
+
+// The taps of point np (over the batch) from its stored coordinates.
+template <typename A, int ND, int MODE>
+__device__ __forceinline__ PointTaps<A, ND, MODE> stored_taps(const A* __restrict__ coords, long long np, const Geo& g) {
+    A c[ND];
+#pragma unroll
+    for (int a = 0; a < ND; ++a) c[a] = coords[np * ND + a];
+    return PointTaps<A, ND, MODE>(c, g);
 }
 
 // One thread per point: its coordinates, and one key per tap (KEY_NONE when the tap falls outside).
@@ -1104,12 +1020,10 @@ __global__ void __launch_bounds__(256) gs_keys(const T* __restrict__ grid, long 
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         long long p;
         const long long n = div_rem(np, P, p);
-        A c[ND];
-        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
+        const PointTaps<A, ND, MODE> tp = stored_point<T, A, ND, MODE>(grid, n, p, g, coords + np * ND);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const long long d = tap_dest<A, ND, MODE>(c, k, g);
-            keys[np * K + k] = d < 0 ? KEY_NONE : (n * S + d) * PT + p * K + k;
+            keys[np * K + k] = tp.ok(k) ? (n * S + tp.dst(k)) * PT + p * K + k : KEY_NONE;
         }
     }
 }
@@ -1208,15 +1122,12 @@ __global__ void __launch_bounds__(GS_SCAN_THREADS) gs_scan_apply(const long long
 // and the point's grad_output values for channels c0 .. c0 + nc in gv.
 template <typename T, typename A, int ND, int MODE>
 __device__ __forceinline__ A entry_contribution(long long local, long long n0, const A* __restrict__ coords,
-                                                const T* __restrict__ go, long long C, long long c0, int nc, bool go_vec,
-                                                A gv[VEC]) {
+                                                const T* __restrict__ go, const Geo& g, long long c0, int nc,
+                                                bool go_vec, A gv[VEC]) {
     constexpr int K = Taps<ND, MODE>::K;
     const long long p = local / K, np = n0 + p;
-    A cc[ND];
-#pragma unroll
-    for (int a = 0; a < ND; ++a) cc[a] = coords[np * ND + a];
-    load_ch(go + np * C + c0, 1, nc, go_vec, gv);
-    return tap_weight<A, ND, MODE>(cc, (int)(local - p * K));
+    load_ch(go + np * g.C + c0, 1, nc, go_vec, gv);
+    return stored_taps<A, ND, MODE>(coords, np, g).w((int)(local - p * K));
 }
 
 // L lanes per destination pixel, VEC channels per lane: sum its entries in key order, write once.
@@ -1243,7 +1154,7 @@ __global__ void __launch_bounds__(256) gs_gather(const long long* __restrict__ k
             for (int c = 0; c < VEC; ++c) acc[c] = static_cast<A>(0);
             for (long long e = start; e < end; ++e) {
                 A gv[VEC];
-                const A w = entry_contribution<T, A, ND, MODE>(keys[e] - qbase, n * P, coords, go, C, c0, nc, go_vec, gv);
+                const A w = entry_contribution<T, A, ND, MODE>(keys[e] - qbase, n * P, coords, go, g, c0, nc, go_vec, gv);
 #pragma unroll
                 for (int c = 0; c < VEC; ++c) acc[c] += w * gv[c];
             }
@@ -1289,12 +1200,10 @@ __global__ void __launch_bounds__(256) gs_count(const T* __restrict__ grid, A* _
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         long long p;
         const long long n = div_rem(np, P, p);
-        A c[ND];
-        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
+        const PointTaps<A, ND, MODE> tp = stored_point<T, A, ND, MODE>(grid, n, p, g, coords + np * ND);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const long long d = tap_dest<A, ND, MODE>(c, k, g);
-            if (d >= 0) atomicAdd(counts + n * S + d, 1ULL);
+            if (tp.ok(k)) atomicAdd(counts + n * S + tp.dst(k), 1ULL);
         }
     }
 }
@@ -1310,14 +1219,11 @@ __global__ void __launch_bounds__(256) gs_place(const A* __restrict__ coords, co
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         long long p;
         const long long n = div_rem(np, P, p);
-        A c[ND];
-#pragma unroll
-        for (int a = 0; a < ND; ++a) c[a] = coords[np * ND + a];
+        const PointTaps<A, ND, MODE> tp = stored_taps<A, ND, MODE>(coords, np, g);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const long long d = tap_dest<A, ND, MODE>(c, k, g);
-            if (d < 0) continue;
-            const long long q = n * S + d;
+            if (!tp.ok(k)) continue;
+            const long long q = n * S + tp.dst(k);
             const unsigned long long left = atomicAdd(counts + q, ~0ULL);  // -1: slots fill from the end
             entries[offsets[q] + (long long)left - 1] = p * K + k;
         }
@@ -1366,7 +1272,7 @@ __global__ void __launch_bounds__(256) gs_gather_exact(const long long* __restri
             for (int c = 0; c < VEC; ++c) { acc[c] = 0; special[c] = 0u; }
             for (long long i = start; i < end; ++i) {
                 A gv[VEC];
-                const A w = entry_contribution<T, A, ND, MODE>(entries[i], n * P, coords, go, C, c0, nc, go_vec, gv);
+                const A w = entry_contribution<T, A, ND, MODE>(entries[i], n * P, coords, go, g, c0, nc, go_vec, gv);
 #pragma unroll
                 for (int c = 0; c < VEC; ++c) {
                     const double v = static_cast<double>(w * gv[c]);
@@ -1406,23 +1312,11 @@ __global__ void __launch_bounds__(256) gs_cell_keys(const T* __restrict__ grid, 
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
         long long p;
         const long long n = div_rem(np, P, p);
-        A c[ND];
-        store_point_coords<T, A, ND, MODE>(grid, n, p, g, c, coords + np * ND);
-        int cx, cy, cz = 0;
-        bool ok;
-        if constexpr (MODE == MODE_BILINEAR) {
-            const int x0 = static_cast<int>(m_floor(c[0])), y0 = static_cast<int>(m_floor(c[1]));
-            const int z0 = ND == 3 ? static_cast<int>(m_floor(c[ND - 1])) : 0;
-            ok = x0 >= -1 && x0 < IW && y0 >= -1 && y0 < IH && (ND == 2 || (z0 >= -1 && z0 < ID));
-            cx = x0 + 1; cy = y0 + 1;
-            if constexpr (ND == 3) cz = z0 + 1;
-        } else {  // nearest
-            const int xn = static_cast<int>(m_rint(c[0])), yn = static_cast<int>(m_rint(c[1]));
-            const int zn = ND == 3 ? static_cast<int>(m_rint(c[ND - 1])) : 0;
-            ok = xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID;
-            cx = xn + 1; cy = yn + 1;
-            if constexpr (ND == 3) cz = zn + 1;
-        }
+        const PointTaps<A, ND, MODE> tp = stored_point<T, A, ND, MODE>(grid, n, p, g, coords + np * ND);
+        // The cell: bilinear's lowest corner (which may lie one pixel before the input) or nearest's pixel, + 1.
+        const int lo = MODE == MODE_BILINEAR ? -1 : 0;
+        const bool ok = tp.x0 >= lo && tp.x0 < IW && tp.y0 >= lo && tp.y0 < IH && (ND == 2 || (tp.z0 >= lo && tp.z0 < ID));
+        const int cx = tp.x0 + 1, cy = tp.y0 + 1, cz = ND == 3 ? tp.z0 + 1 : 0;
         keys[np] = ok ? (n * NCELL + ((long long)cz * (IH + 1) + cy) * (IW + 1) + cx) * P + p : KEY_NONE;
     }
 }
@@ -1458,10 +1352,7 @@ __global__ void __launch_bounds__(256) gs_cell_gather(const long long* __restric
                 const long long start = bounds[2 * cg], end = bounds[2 * cg + 1], base = cg * P;
                 for (long long e = start; e < end; ++e) {
                     const long long np = n * P + (keys[e] - base);
-                    A cc[ND];
-#pragma unroll
-                    for (int a = 0; a < ND; ++a) cc[a] = coords[np * ND + a];
-                    const A w = tap_weight<A, ND, MODE>(cc, k);
+                    const A w = stored_taps<A, ND, MODE>(coords, np, g).w(k);
                     A gv[VEC];
                     load_ch(go + np * C + c0, 1, nc, go_vec, gv);
 #pragma unroll

@@ -1,0 +1,104 @@
+"""Probe (GPU host): grid_sample backward device time per algorithm, this kernel source against another one.
+
+    git show HEAD~1:fallback_kernels/grid_sample.cu > before.cu
+    python3 tools/probe_grid_sample_backward.py --before before.cu --out probe_grid_sample_backward.json
+
+Per shape (random grids over [-1.1, 1.1], both gradients) and algorithm -- fast or deterministic, through the
+shared-memory tile kernels or, with TUNING["tile"] off, the global ones (gs_backward; gs_count / gs_place /
+gs_gather_exact or the sorted keys) -- device us per call (median of blocks of back-to-back calls behind a
+GPU sleep) for the current source and for --before, and the largest difference between the two sources'
+gradients; with --kernels, each kernel's device us as well. Written to compare a refactor of the kernels against
+the code it replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from probe_bias_grad import _device_us  # noqa: E402
+from probe_depthwise import _sleep_cycles  # noqa: E402
+from probe_gemm_kernels import _kernels  # noqa: E402
+
+SHAPES = (  # name, dtype, input shape, output spatial, mode
+    ("f32 (8,64,128,128)", "float32", (8, 64, 128, 128), (128, 128), "bilinear"),
+    ("f16 (32,32,64,64)", "float16", (32, 32, 64, 64), (64, 64), "bilinear"),
+    ("f32 3-D (2,16,32,32,32)", "float32", (2, 16, 32, 32, 32), (32, 32, 32), "bilinear"),
+    ("f32 bicubic (4,32,64,64)", "float32", (4, 32, 64, 64), (64, 64), "bicubic"),
+    ("f16 nearest (32,32,64,64)", "float16", (32, 32, 64, 64), (64, 64), "nearest"),
+    ("f64 (2,16,64,64)", "float64", (2, 16, 64, 64), (64, 64), "bilinear"),
+)
+ALGORITHMS = {  # name: (deterministic, TUNING["tile"])
+    "fast_tile": (False, True), "fast_global": (False, False),
+    "det_tile": (True, True), "det_global": (True, False),
+}
+
+
+def _kernel_us(fn) -> dict:
+    """Mean device us per call of each kernel fn launches, by name without arguments."""
+    out: dict = {}
+    for ev in _kernels(fn, calls=5):
+        name = ev.key.split("(")[0].removeprefix("void ")
+        out[name] = round(out.get(name, 0.0) + ev.device_time_total / 5, 2)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, type=Path, help="another grid_sample.cu to compare against")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kernels", action="store_true", help="also each kernel's device us (torch.profiler)")
+    args = ap.parse_args()
+
+    import torch
+
+    from fallback_kernels import compile as compile_mod
+    from fallback_kernels import grid_sample as gs
+
+    current = compile_mod.source
+    before = args.before.read_text()
+
+    def source(filename: str) -> str:  # the --before text while TUNING's options name it
+        if filename == "grid_sample.cu" and "-DPROBE_BEFORE" in gs.TUNING.get("options", ()):
+            return compile_mod._LOCAL_INCLUDE.sub(lambda m: current(m.group(1)), before)
+        return current(filename)
+
+    compile_mod.source = source
+    cycles = _sleep_cycles(torch, 20.0)
+    defaults = {"tile": gs.TUNING["tile"], "options": gs.TUNING.get("options", ())}
+    rows = []
+    for name, dt, shape, out, mode in SHAPES:
+        dtype = getattr(torch, dt)
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        grid = (torch.rand(shape[0], *out, len(out), device="cuda", dtype=torch.float64) * 2.2 - 1.1).to(dtype)
+        go = torch.randn(shape[0], shape[1], *out, device="cuda", dtype=dtype)
+        for algo, (det, tile) in ALGORITHMS.items():
+            row = {"shape": name, "mode": mode, "algorithm": algo}
+            grads = {}
+            for label, options in (("now", ()), ("before", ("-DPROBE_BEFORE",))):
+                gs.TUNING.update(tile=tile, options=options)
+                try:
+                    def call():
+                        return gs.grid_sample_backward(go, x, grid, mode=mode, deterministic=det)
+                    grads[label] = [g.double() for g in call()]
+                    torch.cuda.synchronize()
+                    row[f"{label}_us"] = _device_us(torch, call, cycles=cycles)
+                    if args.kernels:
+                        row[f"{label}_kernels"] = _kernel_us(call)
+                finally:
+                    gs.TUNING.update(defaults)
+            row["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(grads["now"], grads["before"]))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
