@@ -623,16 +623,21 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
 
 
 # activation -> the cuBLASLt epilogue family that computes it exactly (its GELU is the tanh approximation).
-# Not relu: RELU_AUX_BIAS's bit mask disagreed with the sign of the pre-activation on a few elements of some
-# bf16 / fp16 cases of tests/test_gpu_gemm_act.py (H100, cuBLAS 13), most likely the same early rounding of
-# a @ b that tools/probe_bias_rounding.py measures; relu keeps the single-rounding pass and its mask.
-LT_FORWARD = {"identity": "BIAS", "gelu_tanh": "GELU"}
+# relu into a 16-bit output rounds as torch's relu(addmm(bias, a, b)) does: cuBLASLt rounds a @ b to the io
+# dtype before it adds the bias (tools/probe_bias_rounding.py), so where a @ b and the bias nearly cancel the
+# sign of y can differ from the exact pre-activation's, as torch's does. Its bit mask comes from our pass over
+# y (y > 0: torch's relu gradient), not from RELU_AUX_BIAS, whose mask disagreed with y's sign on unaligned
+# shapes (bf16 and fp16, H100, cuBLAS 13: computed, we infer, before a @ b was rounded).
+LT_FORWARD = {"identity": "BIAS", "gelu_tanh": "GELU", "relu": "RELU"}
 
 
 def _lt_epilogue(act: Activation, has_bias: bool, save: bool) -> str:
     """The cuBLASLt epilogue of a forward GEMM that does the whole layer (act in LT_FORWARD)."""
-    if LT_FORWARD.get(act.name) == "GELU":
-        return "GELU" + ("_AUX" if save else "") + ("_BIAS" if has_bias else "")
+    family = LT_FORWARD.get(act.name)
+    if family == "GELU":
+        return family + ("_AUX" if save else "") + ("_BIAS" if has_bias else "")
+    if family == "RELU":  # the mask is our pass's
+        return family + ("_BIAS" if has_bias else "")
     return "BIAS" if has_bias else "DEFAULT"
 
 
@@ -658,15 +663,16 @@ def _forward_lt(bld: _Builder, act: Activation, y: Loc, aux: Loc | None, allow_t
     bias = Loc("bias") if "bias" in ops.infos else None
     bias_stride = ops.infos["bias"].strides[0] if bias is not None else 1
     x = lambda loc, dtype=ops.dtype: _rows_mat(ops, loc, dtype).flat_rows()  # noqa: E731 - contiguous
+    mask = aux is not None and act.name in MASK_ACTS
     if act.name in LT_FORWARD and bld.lt(x(y), ops.a.flat_rows(), ops.b, tf32=allow_tf32,
                                          epilogue=_lt_epilogue(act, bias is not None, aux is not None),
-                                         bias=bias, aux=aux, bias_stride=bias_stride):
+                                         bias=bias, aux=None if mask else aux, bias_stride=bias_stride):
+        if mask:  # relu: the bit mask of y > 0, read back from y (y itself is not rewritten)
+            _act_pass(bld, act, acc=y, acc_type=CTYPES[ops.dtype], bias=None, pre=None, y=None, mask=aux)
         return True
-    mask = aux is not None and act.name in MASK_ACTS
     if act.name in MASK_ACTS and ops.dtype != "float32":
-        # relu's derivative is the sign of pre: a bias epilogue into a 16-bit output behaved on an H100 as if
-        # a @ b were rounded before the bias was added, flipping signs where the two nearly cancel (1-3 %
-        # gradient error in bf16). So the GEMM writes f32 and the pass adds the bias, rounding once.
+        # leaky_relu (no cuBLASLt epilogue): the GEMM writes f32 and the pass adds the bias, rounding once,
+        # so the sign its derivative reads is the exact pre-activation's up to one rounding.
         acc = bld.buffer("acc", ops.rows * ops.n * 4)
         if not bld.lt(x(acc, "float32"), ops.a.flat_rows(), ops.b, tf32=allow_tf32):
             return False

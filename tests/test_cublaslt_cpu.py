@@ -22,8 +22,11 @@ def test_forward_epilogue_choice():
     assert gemm_act._lt_epilogue(act("gelu_tanh"), False, False) == "GELU"
     assert gemm_act._lt_epilogue(act("identity"), True, False) == "BIAS"
     assert gemm_act._lt_epilogue(act("identity"), False, False) == "DEFAULT"
-    # exact gelu and relu are not in cuBLASLt's epilogues: the GEMM adds the bias, the pass does the rest
-    assert set(gemm_act.LT_FORWARD) == {"identity", "gelu_tanh"}
+    # relu's bit mask is our pass's over y (y > 0), never RELU_AUX's
+    assert gemm_act._lt_epilogue(act("relu"), True, True) == "RELU_BIAS"
+    assert gemm_act._lt_epilogue(act("relu"), False, True) == "RELU"
+    # exact gelu and leaky_relu are not in cuBLASLt's epilogues: the GEMM adds the bias, the pass does the rest
+    assert set(gemm_act.LT_FORWARD) == {"identity", "gelu_tanh", "relu"}
 
 
 def _m(ptr, rows, cols, rs, cs, batch=1, bs=0):

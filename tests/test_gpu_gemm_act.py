@@ -46,16 +46,24 @@ def nan_like(t):
     return torch.full_like(t, float("nan"))
 
 
+EARLY_ROUNDING = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}  # unit roundoff of the io dtype
+
+
 def reference(a, b, bias, act, dy, y_hint=None):
     """y and the grads in float64. For relu / leaky_relu, where |pre| < 1e-5 the sign is ambiguous at f32
     accumulation precision (a legit f32 GEMM may round 3e-9 to either side): the reference takes the
-    sign of the y under test there (a real double-rounding bug flips signs up to ~1e-3 and still fails)."""
+    sign of the y under test there. 16-bit relu rounds as torch's relu(addmm) does (cuBLASLt's epilogue
+    rounds a @ b to the io dtype before adding the bias): its band is one such rounding of a @ b wide.
+    leaky_relu rounds once, so a double-rounding bug there (signs flipped up to ~1e-3) still fails."""
     a64 = a.detach().double().requires_grad_()
     b64 = b.detach().double().requires_grad_()
     bias64 = bias.detach().double().requires_grad_() if bias is not None else None
     pre = a64 @ b64 + (bias64 if bias64 is not None else 0)
     if y_hint is not None and act.name in ("relu", "leaky_relu"):
-        on = torch.where(pre.detach().abs() < 1e-5, y_hint.double() > 0, pre.detach() > 0)
+        band = 1e-5
+        if act.name == "relu" and a.dtype in EARLY_ROUNDING:
+            band = band + EARLY_ROUNDING[a.dtype] * (a64 @ b64).detach().abs()
+        on = torch.where(pre.detach().abs() < band, y_hint.double() > 0, pre.detach() > 0)
         y = torch.where(on, pre, pre * (act.param if act.name == "leaky_relu" else 0.0))
     else:
         y = act_fn(act)(pre)
@@ -219,6 +227,25 @@ def test_deterministic_and_on_the_current_stream():
     assert rel(y3, torch.relu(a.double() @ b.double() + bias.double())) < TOL["bfloat16"]
     ry, rda, rdb, rdbias = reference(a, b, bias, as_activation("a", "gelu"), dy)
     assert rel(first[2], rdbias) < TOL["bfloat16"] and rel(first[1], rdb) < TOL["bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_relu_rounds_as_torch_relu_addmm(dtype):
+    """16-bit relu is cuBLASLt's RELU_BIAS epilogue, as torch's relu(addmm(bias, a, b)) rounds: y as torch's to
+    one rounding with the same signs, the bit mask y > 0, every gradient as torch autograd's through it."""
+    a, b = rand((512, 384), dtype), rand((384, 640), dtype, scale=384 ** -0.5)
+    bias, dy = rand((640,), dtype), rand((512, 640), dtype)
+    poison_allocator()
+    y, aux = gemm_bias_act(a, b, bias, activation="relu")
+    ta, tb, tbias = (t.detach().clone().requires_grad_() for t in (a, b, bias))
+    ty = torch.relu(torch.addmm(tbias, ta, tb))
+    ty.backward(dy)
+    da, db, dbias = gemm_bias_act_backward(dy, a, b, aux, activation="relu")
+    torch.cuda.synchronize()
+    assert mask_matches(aux, y)
+    assert rel(y, ty) < TOL[dtype] and float(((y > 0) != (ty > 0)).double().mean()) < 1e-3
+    for got, want in ((da, ta.grad), (db, tb.grad), (dbias, tbias.grad)):
+        assert rel(got, want) < TOL[dtype]
 
 
 def test_errors_before_launch():

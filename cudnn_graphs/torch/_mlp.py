@@ -31,8 +31,9 @@ from ._linear_act import linear_act
 
 __all__ = ["MLP", "mlp"]
 
-# Activations cuBLASLt's epilogues compute exactly. Not relu: its RELU_AUX bit mask disagreed with the sign
-# of the pre-activation on a few elements in some bf16 / fp16 tests on an H100 (see gemm_act.LT_FORWARD).
+# Activations cuBLASLt's epilogues compute exactly and whose aux is the pre-activation. Not relu yet: its aux
+# is a bit mask of another shape, which this path does not allocate, and its 16-bit hidden layers round a @ b
+# before the bias as torch's addmm does (gemm_act.LT_FORWARD), which this module's float64 test does not model.
 FUSED = {"gelu_tanh": "GELU"}
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
