@@ -3,8 +3,8 @@
 // formulas are epilogue.cu's (activations.cuh), with a faster exp. Every matrix here is row-major
 // [rows, n] and contiguous; math in f32.
 //
-// Bit mask (relu, leaky_relu): uint32 words [rows, ceil(n / 32)], bit (c % 32) of word (row, c / 32) is 1
-// where pre[row, c] > 0 (so relu'(0) = 0, as in torch).
+// Bit mask (leaky_relu): uint32 words [rows, ceil(n / 32)], bit (c % 32) of word (row, c / 32) is 1
+// where pre[row, c] > 0 (so the slope at 0 is leaky_relu's negative one, as in torch).
 
 #include "types.cuh"
 
@@ -89,8 +89,8 @@ constexpr int UNROLL = 4;   // rows in flight per warp (loads issued before any 
 
 // grad_pre = dy * act'(pre) and, fused into the same pass (grad_pre is never read back), per-block
 // column sums for the bias gradient: partial[blockIdx.y, c] = sum over this block's rows, in a fixed order.
-// AUX_NONE (identity): only the column sums (g is null). AUX_MASK: pre > 0 from the bit mask (relu,
-// leaky_relu). AUX_PRE: the saved pre-activation. g or partial may be null (not needed).
+// AUX_NONE (identity): only the column sums (g is null). AUX_MASK: pre > 0 from the bit mask (leaky_relu).
+// AUX_PRE: the saved pre-activation, or relu's y (relu'(y) = relu'(pre)). g or partial may be null (not needed).
 template <typename T, int V, int AUX, int ACT>
 __global__ void __launch_bounds__(32 * WARPS) act_bwd(
         const T* __restrict__ dy, const T* __restrict__ pre, const unsigned int* __restrict__ mask,
@@ -190,9 +190,8 @@ template <typename A, typename T, int V> __device__ __forceinline__ void load_ac
 // Forward epilogue on the GEMM's result acc (A = float: f32 accumulators; A = T: the pre-activation the
 // GEMM already wrote in the io type): pre = round(acc + bias) (one rounding; with A = T bias is null and pre
 // is acc), y = act(pre) computed from the rounded pre (as torch's activation on addmm's output), and the
-// bit mask of pre > 0 when mask is not null. pre may be null (not saved), y too (only the mask of a relu
-// output the GEMM's epilogue wrote); acc may be the same memory as pre or y (in place), so those three are not
-// __restrict__. Each warp has UNROLL rows' loads in flight before
+// bit mask of pre > 0 when mask is not null. pre may be null (not saved); acc may be the same memory as pre
+// or y (in place), so those three are not __restrict__. Each warp has UNROLL rows' loads in flight before
 // any math (one row at a time left the pass at half of torch's elementwise bandwidth on an H100); the
 // activation is a template argument, so the loop holds only its own formula.
 // Blocks per SM the pass is compiled for: 4 (64 registers) where it reads the io type, which fits them with no
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(32 * WARPS, FWD_MIN_BLOCKS(T, A)) act_fwd_rows
                     yv.t[j] = from_acc<T>(fwd_value<T, ACT>(x, p));
                 }
                 if (sizeof(A) == 4 && pre != nullptr) store_vec<T, V>(pre + r * n + c, pv);
-                if (y != nullptr) store_vec<T, V>(y + r * n + c, yv);
+                store_vec<T, V>(y + r * n + c, yv);
             }
             if (mask != nullptr) {
                 bits <<= (c & 31);

@@ -7,19 +7,19 @@ elementwise pass.
 a is [M, K] or [Bt, M, K], b is [K, N] (shared), bias [N]; either may be a transposed view (detected from
 the strides and handed to cuBLAS as op flags, never copied).
 
-Forward on cuBLASLt (nvmath-python installed, the batch flattens): for identity and gelu_tanh one GEMM does
-the whole layer in its epilogue (BIAS, GELU_AUX_BIAS); for the other smooth activations the GEMM adds the bias
-in its epilogue and writes the pre-activation in the io dtype, and one pass reads it and writes y = act(pre).
-Into a 16-bit output that epilogue rounds a @ b before adding the bias, exactly as torch.addmm's does
-(tools/probe_bias_rounding.py): harmless for smooth activations, but it flips the sign of pre where a @ b
-and the bias nearly cancel, so relu and leaky_relu (whose derivative is that sign) take an f32 GEMM output
-and the pass adds the bias and rounds once. Without cuBLASLt: a cuBLAS GEMM writes a @ b in f32 and the pass
-adds the bias and rounds once. (A beta = 1 GEMM onto a bias-filled 16-bit output rounds the same way.)
+Forward on cuBLASLt (nvmath-python installed, the batch flattens): for identity, relu and gelu_tanh one GEMM
+does the whole layer in its epilogue (BIAS, RELU_BIAS, GELU_AUX_BIAS); for the other smooth activations the
+GEMM adds the bias in its epilogue and writes the pre-activation in the io dtype, and one pass reads it and
+writes y = act(pre). Into a 16-bit output that epilogue rounds a @ b before adding the bias, exactly as
+torch.addmm's does (tools/probe_bias_rounding.py), so relu's y is torch's relu(addmm(...)), sign included;
+leaky_relu (no epilogue; its derivative is the sign of pre) takes an f32 GEMM output and the pass adds the
+bias and rounds once. Without cuBLASLt: a cuBLAS GEMM writes a @ b in f32 and the pass adds the bias and
+rounds once. (A beta = 1 GEMM onto a bias-filled 16-bit output rounds the same way.)
 The pass's gelu, silu and sigmoid use SFU formulas a few 1e-7 off for 16-bit outputs (gemm_act.cu).
-aux is the minimal state the backward needs: None for identity, a bit mask (32-bit words
-[..., M, mask_words(N)], bit c % 32 of word c // 32 set where pre > 0; rows padded to 128 bits, the layout
-cuBLASLt's RELU_AUX writes) for relu and leaky_relu, else the pre-activation in the io dtype (what torch
-saves).
+aux is the minimal state the backward needs: None for identity, y itself for relu (y > 0 where pre > 0: what
+torch saves), a bit mask (32-bit words [..., M, mask_words(N)], bit c % 32 of word c // 32 set where pre > 0;
+rows padded to 128 bits, the layout cuBLASLt's RELU_AUX writes) for leaky_relu, else the pre-activation in
+the io dtype (what torch saves).
 
 Backward: one pass reads dy and aux once and writes grad_pre = dy * act'(pre) once, with the bias gradient's
 column sums fused in (per-block f32 partials, then a fixed-order sum: deterministic, no atomics, no second
@@ -56,7 +56,10 @@ from . import compile as _compile
 from .blas import Mat
 
 ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order matches the enum in gemm_act.cu
-MASK_ACTS = ("relu", "leaky_relu")  # their derivative needs only the sign of pre: 1 bit per element
+MASK_ACTS = ("leaky_relu",)  # its derivative needs only the sign of pre: 1 bit per element
+# relu's backward reads y itself (y > 0 where pre > 0), as torch's threshold_backward does: no aux buffer, and
+# the forward is one GEMM with cuBLASLt's RELU_BIAS epilogue.
+AUX_IS_Y = ("relu",)
 CTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4}  # elements per 16-byte access
 ITEMSIZE = blas.ITEMSIZE
@@ -73,6 +76,7 @@ def source() -> str:
 
 
 def _aux_kind(name: str) -> int:
+    """What the backward reads: nothing, a bit mask, or a tensor of y's shape (the pre-activation, or relu's y)."""
     return AUX_NONE if name == "identity" else AUX_MASK if name in MASK_ACTS else AUX_PRE
 
 
@@ -625,8 +629,8 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
 # activation -> the cuBLASLt epilogue family that computes it exactly (its GELU is the tanh approximation).
 # relu into a 16-bit output rounds as torch's relu(addmm(bias, a, b)) does: cuBLASLt rounds a @ b to the io
 # dtype before it adds the bias (tools/probe_bias_rounding.py), so where a @ b and the bias nearly cancel the
-# sign of y can differ from the exact pre-activation's, as torch's does. Its bit mask comes from our pass over
-# y (y > 0: torch's relu gradient), not from RELU_AUX_BIAS, whose mask disagreed with y's sign on unaligned
+# sign of y can differ from the exact pre-activation's, as torch's does; its backward reads y (AUX_IS_Y), so
+# the gradient is torch's relu gradient. Not RELU_AUX_BIAS: its bit mask disagreed with y's sign on unaligned
 # shapes (bf16 and fp16, H100, cuBLAS 13: computed, we infer, before a @ b was rounded).
 LT_FORWARD = {"identity": "BIAS", "gelu_tanh": "GELU", "relu": "RELU"}
 
@@ -636,7 +640,7 @@ def _lt_epilogue(act: Activation, has_bias: bool, save: bool) -> str:
     family = LT_FORWARD.get(act.name)
     if family == "GELU":
         return family + ("_AUX" if save else "") + ("_BIAS" if has_bias else "")
-    if family == "RELU":  # the mask is our pass's
+    if family == "RELU":  # no aux: the backward reads y
         return family + ("_BIAS" if has_bias else "")
     return "BIAS" if has_bias else "DEFAULT"
 
@@ -645,14 +649,14 @@ def _forward_program(ops: _Operands, like: Any, act: Activation, save: bool, all
     bld = _Builder(ops, like)
     y = bld.output("y", ops.y_shape, contiguous_strides(ops.y_shape), ops.dtype)
     aux = None
-    if save and act.name != "identity":
+    if save and act.name not in ("identity", *AUX_IS_Y):
         if act.name in MASK_ACTS:
             aux = bld.output("aux", ops.mask_shape, contiguous_strides(ops.mask_shape), "mask")
         else:
             aux = bld.output("aux", ops.y_shape, contiguous_strides(ops.y_shape), ops.dtype)
     if not _forward_lt(bld, act, y, aux, allow_tf32):
         _forward_blas(bld, act, y, aux, allow_tf32)
-    return bld.program(("y", "aux" if aux is not None else None))
+    return bld.program(("y", "y" if save and act.name in AUX_IS_Y else "aux" if aux is not None else None))
 
 
 def _forward_lt(bld: _Builder, act: Activation, y: Loc, aux: Loc | None, allow_tf32: bool) -> bool:
@@ -666,9 +670,7 @@ def _forward_lt(bld: _Builder, act: Activation, y: Loc, aux: Loc | None, allow_t
     mask = aux is not None and act.name in MASK_ACTS
     if act.name in LT_FORWARD and bld.lt(x(y), ops.a.flat_rows(), ops.b, tf32=allow_tf32,
                                          epilogue=_lt_epilogue(act, bias is not None, aux is not None),
-                                         bias=bias, aux=None if mask else aux, bias_stride=bias_stride):
-        if mask:  # relu: the bit mask of y > 0, read back from y (y itself is not rewritten)
-            _act_pass(bld, act, acc=y, acc_type=CTYPES[ops.dtype], bias=None, pre=None, y=None, mask=aux)
+                                         bias=bias, aux=aux, bias_stride=bias_stride):
         return True
     if act.name in MASK_ACTS and ops.dtype != "float32":
         # leaky_relu (no cuBLASLt epilogue): the GEMM writes f32 and the pass adds the bias, rounding once,

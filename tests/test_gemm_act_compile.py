@@ -201,29 +201,32 @@ def test_backward_argument_checks():
         bwd(_Fake((8, 40), strides=_bytes((1, 8))), a, b, pre, activation="gelu")
     assert _err(e) == ("dy", "strides")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, pre, activation="relu")  # relu's aux is the bit mask
+        bwd(dy, a, b, pre, activation="leaky_relu")  # leaky_relu's aux is the bit mask
     assert _err(e) == ("aux", "shape")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, _Fake((8, 4), "<f4"), activation="relu")
+        bwd(dy, a, b, _Fake((8, 4), "<f4"), activation="leaky_relu")
     assert _err(e) == ("aux", "dtype")
+    with pytest.raises(BufferMismatchError) as e:
+        bwd(dy, a, b, mask, activation="relu")  # relu's aux is y itself
+    assert _err(e) == ("aux", "shape")
     with pytest.raises(BufferMismatchError) as e:
         bwd(dy, a, b, None, activation="gelu")
     assert _err(e) == ("aux", "buffer")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, mask, activation="relu", accumulate=True)
+        bwd(dy, a, b, mask, activation="leaky_relu", accumulate=True)
     assert _err(e) == ("da", "buffer")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, mask, activation="relu", db=_Fake((40, 4)))
+        bwd(dy, a, b, mask, activation="leaky_relu", db=_Fake((40, 4)))
     assert _err(e) == ("db", "shape")
     with pytest.raises(BufferMismatchError) as e:
-        bwd(dy, a, b, mask, activation="relu", dbias=_Fake((40,), "<f4"))
+        bwd(dy, a, b, mask, activation="leaky_relu", dbias=_Fake((40,), "<f4"))
     assert _err(e) == ("dbias", "dtype")
     with pytest.raises(SpecError) as e:
-        bwd(dy, a, b, mask, activation="relu", need=("a", "w"))
+        bwd(dy, a, b, mask, activation="leaky_relu", need=("a", "w"))
     assert e.value.field == "need"
     with pytest.raises(SpecError) as e:
-        bwd(dy, a, b, mask, activation="relu", chunks=0)
+        bwd(dy, a, b, mask, activation="leaky_relu", chunks=0)
     assert e.value.field == "chunks"
-    assert bwd(dy, a, b, mask, activation="relu", need=()) == (None, None, None)
+    assert bwd(dy, a, b, mask, activation="leaky_relu", need=()) == (None, None, None)
     # 40 bits padded to 128 (cuBLASLt's RELU_AUX row pitch): 4 words; 129 bits: 8
     assert gemm_act.mask_words(40) == 4 and gemm_act.mask_words(128) == 4 and gemm_act.mask_words(129) == 8

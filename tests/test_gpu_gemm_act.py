@@ -109,9 +109,12 @@ def run_case(dtype, act, *, m, k, n, batch=None, ta=False, tb=False, bias=True, 
     ry, rda, rdb, rdbias = reference(a, b, bv, act, dy, y_hint=y)
     if (e := rel(y, ry)) > tol or not torch.isfinite(y).all():
         fails.append(f"{tag}: y err {e:.2e}")
-    if act.name in ("relu", "leaky_relu"):
+    if act.name == "leaky_relu":
         if not mask_matches(aux, y):
             fails.append(f"{tag}: bit mask differs from y > 0")
+    elif act.name == "relu":
+        if aux is not y:
+            fails.append(f"{tag}: relu's aux is not y itself")
     elif act.name != "identity" and (aux.dtype != y.dtype or rel(aux, a.double() @ b.double() +
                                                                (bv.double() if bias else 0)) > tol):
         fails.append(f"{tag}: saved pre-activation wrong")
@@ -232,7 +235,7 @@ def test_deterministic_and_on_the_current_stream():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_relu_rounds_as_torch_relu_addmm(dtype):
     """16-bit relu is cuBLASLt's RELU_BIAS epilogue, as torch's relu(addmm(bias, a, b)) rounds: y as torch's to
-    one rounding with the same signs, the bit mask y > 0, every gradient as torch autograd's through it."""
+    one rounding with the same signs, its aux y itself, every gradient as torch autograd's through it."""
     a, b = rand((512, 384), dtype), rand((384, 640), dtype, scale=384 ** -0.5)
     bias, dy = rand((640,), dtype), rand((512, 640), dtype)
     poison_allocator()
@@ -242,7 +245,7 @@ def test_relu_rounds_as_torch_relu_addmm(dtype):
     ty.backward(dy)
     da, db, dbias = gemm_bias_act_backward(dy, a, b, aux, activation="relu")
     torch.cuda.synchronize()
-    assert mask_matches(aux, y)
+    assert aux is y
     assert rel(y, ty) < TOL[dtype] and float(((y > 0) != (ty > 0)).double().mean()) < 1e-3
     for got, want in ((da, ta.grad), (db, tb.grad), (dbias, tbias.grad)):
         assert rel(got, want) < TOL[dtype]

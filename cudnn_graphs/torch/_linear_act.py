@@ -5,7 +5,8 @@ fallback_kernels.gemm_act (cuBLAS GEMMs plus one fused elementwise pass each way
 
 Any leading batch dimensions, like nn.Linear. The weight is used in place as the transposed operand
 (no copy); its gradient comes back in its own [out, in] layout. What is saved for backward: the input,
-the weight, and a bit mask (relu, leaky_relu) or the pre-activation in the io dtype (the others).
+the weight, and relu's output itself (as torch's relu saves it), leaky_relu's bit mask, or the
+pre-activation in the io dtype (the others).
 CUDA tensors of one dtype (float16, bfloat16 or float32) only; float32 matmuls follow
 torch.backends.cuda.matmul.allow_tf32.
 """

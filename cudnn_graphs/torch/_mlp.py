@@ -31,9 +31,9 @@ from ._linear_act import linear_act
 
 __all__ = ["MLP", "mlp"]
 
-# Activations cuBLASLt's epilogues compute exactly and whose aux is the pre-activation. Not relu yet: its aux
-# is a bit mask of another shape, which this path does not allocate, and its 16-bit hidden layers round a @ b
-# before the bias as torch's addmm does (gemm_act.LT_FORWARD), which this module's float64 test does not model.
+# Activations cuBLASLt's epilogues compute exactly and whose aux is the pre-activation. Not relu yet: DRELU
+# reads a bit mask, RELU_AUX_BIAS's disagreed with y's sign on unaligned shapes (gemm_act.LT_FORWARD), and a
+# mask read back from y costs a pass; relu MLPs run as the linear_act chain (one RELU_BIAS GEMM a layer).
 FUSED = {"gelu_tanh": "GELU"}
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
