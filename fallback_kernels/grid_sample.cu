@@ -356,11 +356,12 @@ __device__ __forceinline__ void grid_point(const T* __restrict__ grid, long long
     grid_coords<T, A, ND, MODE>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, mult);
 }
 
-// A point's taps from its coordinates: ok(k) when tap k falls inside (any(): some tap does); its pixel dst(k) within the batch item
-// (dense planes) and its offset src(k, g) through the input's strides; its weight w(k), what multiplies
-// grad_output in ATen's grad_input update; and the grad_grid coefficients: grad_grid[a] = mult[a] * the sum
-// over taps in_gg(k) and channels of cg(a, k) * input value * grad_output (ATen's sums, regrouped). Built
-// from the stored coordinates too (the deterministic gathers), so every algorithm sees the same taps.
+// A point's taps from its coordinates: ok(k) when tap k falls inside (any(): some tap does); its pixel dst(k)
+// within the batch item (dense planes) and its offset src(k, g) through the input's strides; its weight w(k),
+// what multiplies grad_output in ATen's grad_input update; and the grad_grid coefficients: grad_grid[a] =
+// mult[a] * the sum over taps in_gg(k) and channels of cg(a, k) * input value * grad_output (ATen's sums,
+// regrouped). Built from the stored coordinates too (the deterministic gathers): every algorithm sees the
+// same taps.
 template <typename A, int ND, int MODE> struct PointTaps;
 
 // a[i] by selects: a tap index known only at run time (the deterministic gathers) would otherwise index the
@@ -373,7 +374,7 @@ template <typename V, int N> __device__ __forceinline__ V pick(const V (&a)[N], 
 }
 
 template <typename A, int ND> struct PointTaps<A, ND, MODE_BILINEAR> {
-    static constexpr int K = Taps<ND, MODE_BILINEAR>::K;
+    static constexpr int K = Taps<ND, MODE_BILINEAR>::K;  // corner k = dz * 4 + dy * 2 + dx (ATen's nw, ne, sw, se)
     int x0, y0, z0, IH, IW;  // the lowest corner
     unsigned int okmask;
     A wx[2], wy[2], wz[2];  // per axis, the weights of the lower and the upper corner
@@ -398,7 +399,8 @@ template <typename A, int ND> struct PointTaps<A, ND, MODE_BILINEAR> {
         return ((I)(z0 + (k >> 2)) * IH + y0 + ((k >> 1) & 1)) * IW + x0 + (k & 1);
     }
     __device__ __forceinline__ long long src(int k, const Geo& g) const {  // the lowest corner's + a constant
-        return (z0 * g.in_sD + y0 * g.in_sH + x0 * g.in_sW) + ((k >> 2) * g.in_sD + ((k >> 1) & 1) * g.in_sH + (k & 1) * g.in_sW);
+        return (z0 * g.in_sD + y0 * g.in_sH + x0 * g.in_sW) +
+               ((k >> 2) * g.in_sD + ((k >> 1) & 1) * g.in_sH + (k & 1) * g.in_sW);
     }
     __device__ __forceinline__ A w(int k) const {
         const A v = pick(wx, k & 1) * pick(wy, (k >> 1) & 1);
