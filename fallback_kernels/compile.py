@@ -74,6 +74,33 @@ def cufunction(kernel: Any, device: int) -> int:
 def nvrtc_check(filename: str, name_expressions: Sequence[str], arch: str,
                 options: tuple[str, ...] = BASE_OPTIONS) -> dict[str, str]:
     """Compile with NVRTC for `arch` (e.g. "sm_90") without a GPU; {name expression: lowered name}."""
+    return _nvrtc(filename, name_expressions, arch, options)[0]
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+_PTXAS_FIELDS = {"stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+                 "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+                 "registers": re.compile(r"Used (\d+) registers")}
+
+
+def ptxas_resources(filename: str, name_expressions: Sequence[str], arch: str,
+                    options: tuple[str, ...] = BASE_OPTIONS) -> dict[str, dict[str, int]]:
+    """What ptxas made of each kernel, without a GPU: {name expression: {"stack_bytes", "spill_stores",
+    "registers"}} from its -v report (a local array indexed at run time shows as stack bytes)."""
+    lowered, log = _nvrtc(filename, name_expressions, arch, (*options, "--ptxas-options=-v"))
+    found: dict[str, dict[str, int]] = {}
+    entry: dict[str, int] = {}
+    for line in log.splitlines():  # an entry's lines follow its "Compiling entry function" line
+        if m := _PTXAS_ENTRY.search(line):
+            entry = found.setdefault(m.group(1), {})
+        for field, pattern in _PTXAS_FIELDS.items():
+            if m := pattern.search(line):
+                entry[field] = int(m.group(1))
+    return {name: found[low] for name, low in lowered.items()}
+
+
+def _nvrtc(filename: str, name_expressions: Sequence[str], arch: str,
+           options: tuple[str, ...]) -> tuple[dict[str, str], str]:
     from cupy_backends.cuda.libs import nvrtc
 
     prog = nvrtc.createProgram(source(filename), filename, [], [])
@@ -84,6 +111,8 @@ def nvrtc_check(filename: str, name_expressions: Sequence[str], arch: str,
             nvrtc.compileProgram(prog, [*options, f"--gpu-architecture={arch}"])
         except Exception as err:  # the status alone says nothing: attach the compiler's log
             raise KernelCompileError(filename, f"{err}\n{nvrtc.getProgramLog(prog)}", options) from err
-        return {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
+        log = nvrtc.getProgramLog(prog)
+        log = log.decode() if isinstance(log, bytes) else log
+        return {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}, log
     finally:
         nvrtc.destroyProgram(prog)

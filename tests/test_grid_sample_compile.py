@@ -21,6 +21,24 @@ def test_grid_sample_compiles(arch, dtype):
     assert all(lowered[name] for name in names)  # every instantiation exists
 
 
+# The backward kernels that read a point's taps through PointTaps, float io (f32 math), every mode. A tap index
+# known only at run time (the deterministic gathers) once indexed PointTaps' arrays and put it in local memory
+# (32-64 byte stack frames); the 16-bit and float64 variants have a few small frames of other origins.
+_TAP_READERS = [f"{k}<float, float, {nd}, {m}>" for k in ("gs_backward", "gs_keys", "gs_count", "gs_gather",
+                                                          "gs_gather_exact") for nd, m in gs.VARIANTS]
+_TAP_READERS += [f"gs_place<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
+_TAP_READERS += [f"gs_cell_gather<float, float, {nd}, {m}>" for nd, m in gs.VARIANTS if m != gs.BICUBIC]
+_TAP_READERS += [f"gs_tile_gather<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
+
+
+def test_backward_kernels_keep_the_taps_in_registers():
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    found = kc.ptxas_resources("grid_sample.cu", _TAP_READERS, "sm_90", gs.OPTIONS)
+    framed = {name: r for name, r in found.items() if r["stack_bytes"] or r["spill_stores"]}
+    assert not framed, f"local memory in: {framed}"
+    assert all(r["registers"] > 0 for r in found.values())
+
+
 def test_every_kernel_and_variant_is_instantiated():
     names = gs.name_expressions()
     for dtype, (t, a) in gs.CTYPES.items():
