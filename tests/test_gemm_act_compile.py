@@ -29,6 +29,18 @@ def test_gemm_act_compiles(arch):
     assert sorted(names) == sorted(n for dt in gemm_act.CTYPES for n in gemm_act.name_expressions(dt))
 
 
+def test_forward_pass_fits_its_blocks_per_sm_without_local_memory():
+    """The pass over an io-typed pre-activation is compiled for four 256-thread blocks per SM (FWD_MIN_BLOCKS):
+    at most 64 registers, and, like the f32-accumulator passes, no stack or spills (sm_90, ptxas -v)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    names = [n for n in gemm_act.name_expressions() if n.startswith("act_fwd_rows<")]
+    found = kc.ptxas_resources("gemm_act.cu", names, "sm_90", gemm_act.OPTIONS)
+    framed = {n: r for n, r in found.items() if r["stack_bytes"] or r["spill_stores"]}
+    assert not framed, f"local memory in: {framed}"
+    io_typed = [n for n in names if n.split("<")[1].split(",")[0] == n.split(",")[1].strip()]
+    assert io_typed and all(found[n]["registers"] <= 64 for n in io_typed), {n: found[n] for n in io_typed}
+
+
 def test_activation_codes_match_the_cuda_enum():
     enum = gemm_act.source().split("enum {", 1)[1].split("}", 1)[0]
     names = [n.strip() for n in enum.split(",")]
