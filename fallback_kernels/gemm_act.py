@@ -660,7 +660,7 @@ def _forward_program(ops: _Operands, like: Any, act: Activation, save: bool, all
 
 
 def _forward_lt(bld: _Builder, act: Activation, y: Loc, aux: Loc | None, allow_tf32: bool) -> bool:
-    """The forward on cuBLASLt: one GEMM whose epilogue does the whole layer (identity, gelu_tanh); else one
+    """The forward on cuBLASLt: one GEMM whose epilogue does the whole layer (identity, relu, gelu_tanh); else one
     GEMM writing the pre-activation plus one pass from it to y. False where cuBLASLt takes neither (the
     caller plans cuBLAS)."""
     ops = bld.ops

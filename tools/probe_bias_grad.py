@@ -14,31 +14,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import probe_depthwise  # noqa: E402
 from probe_depthwise import _sleep_cycles  # noqa: E402
 
 SHAPES = ((96, 56), (192, 28), (384, 14), (768, 7), (256, 56), (2048, 7))  # (C, H): convnext's, then ResNet's
 
 
 def _device_us(torch, fn, *, blocks: int = 15, calls: int = 20, cycles: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(blocks):
-        torch.cuda._sleep(cycles)  # the host queues the block while the GPU waits: device time alone
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / calls)
-    return round(statistics.median(samples), 2)
+    """Median device us per call of fn over blocks of back-to-back calls queued behind a GPU sleep."""
+    return probe_depthwise._device_us(torch, fn, blocks=blocks, calls=calls, cycles=cycles)["us"]
 
 
 def _ours(torch, epilogue, spec, dy, db):
