@@ -194,6 +194,14 @@ def function(cubin: bytes, name: str, ordinal: int) -> int:
     return fn.value
 
 
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h, CUDA >= 12.0): a launch's geometry and stream, passed by reference."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", _ptr), ("attrs", _ptr), ("numAttrs", ctypes.c_uint)]
+
+
 class Kernel:
     """A kernel launch with its arguments packed once: `launch(stream)` after patching `args[i].value`.
 
@@ -203,25 +211,26 @@ class Kernel:
     One thread launches a Kernel (its stream slot is patched in place).
     """
 
-    __slots__ = ("fn", "grid", "block", "shared", "args", "_params", "_call", "_stream", "_ordinal", "_ctx",
+    __slots__ = ("fn", "grid", "block", "shared", "args", "_params", "_call", "_config", "_ordinal", "_ctx",
                  "_current", "_current_ref", "_get_current", "_launch")
 
     def __init__(self, fn: int, *, grid: int | tuple, block: int | tuple, args: list, ordinal: int, shared: int = 0):
         self.fn, self.args, self._ordinal, self.shared = fn, args, ordinal, int(shared)
         self.grid, self.block = _dims(grid), _dims(block)
         self._params = (_ptr * len(args))(*(ctypes.addressof(a) for a in args))
-        self._stream = _ptr(0)
-        # Every argument is a ctypes object made here and the entry points carry no argtypes: ctypes then
+        # cuLaunchKernelEx takes the geometry and stream in one struct packed here: 4 ctypes arguments a
+        # launch instead of cuLaunchKernel's 11 (5.5 against 6.5 us of host time on an H100 host). Every
+        # argument is a ctypes object made here and the entry points carry no argtypes: ctypes then
         # converts nothing per call (with argtypes, converting 11 ints cost ~7 us of a 10 us launch).
-        self._call = (_ptr(fn), *(ctypes.c_uint(d) for d in (*self.grid, *self.block, self.shared)), self._stream,
-                      self._params, None)
-        self._launch, self._get_current = _raw("cuLaunchKernel"), _raw("cuCtxGetCurrent")
+        self._config = LaunchConfig(*self.grid, *self.block, self.shared, None, None, 0)
+        self._call = (ctypes.byref(self._config), _ptr(fn), self._params, None)
+        self._launch, self._get_current = _raw("cuLaunchKernelEx"), _raw("cuCtxGetCurrent")
         self._ctx = _primary_context(ordinal)
         self._current = _ptr()
         self._current_ref = ctypes.byref(self._current)
 
     def launch(self, stream: int) -> None:
-        self._stream.value = stream
+        self._config.hStream = stream
         self._get_current(self._current_ref)
         if self._current.value == self._ctx:
             status = self._launch(*self._call)
@@ -229,7 +238,7 @@ class Kernel:
             with device(self._ordinal):
                 status = self._launch(*self._call)
         if status:
-            raise CudaDriverError("cuLaunchKernel", status)
+            raise CudaDriverError("cuLaunchKernelEx", status)
 
 
 @functools.lru_cache(maxsize=None)
