@@ -42,6 +42,7 @@ import copy
 import ctypes
 import functools
 import math
+import sys
 import threading
 from typing import Any, Callable, NamedTuple
 
@@ -450,13 +451,15 @@ def _allow_shared(fn: Any, device: int, nbytes: int) -> None:
                 fn.max_dynamic_shared_size_bytes = nbytes
 
 
-def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
+def _run(plan: _Plan, framework: str, device: int, ptrs: tuple, stream: int | None = None) -> None:
     """Run `plan` on `ptrs` (its inputs' and outputs' addresses) and the stream's scratch block (this
-    call's own under capture)."""
-    stream = stream_pointer(None, framework, device)
+    call's own under capture), on `stream` (default: the framework's current one)."""
+    if stream is None:
+        stream = stream_pointer(None, framework, device)
     prog = _program(plan, device)
-    # A single launch without scratch (the forward) needs no capture probe: ~1 us of its call.
-    capturing = (plan.scratch_bytes or prog.replay is not None) and capture_probe(framework, None)(stream)
+    if _single_launch(plan) and PROFILE is None:  # needs no capture probe (~1 us) nor scratch
+        return prog.run(ptrs, stream)
+    capturing = capture_probe(framework, None)(stream)
     owner = None
     if plan.scratch_bytes:
         owner, base = call_scratch(plan.scratch_bytes, framework, device, stream, capturing=capturing)
@@ -468,6 +471,11 @@ def _run(plan: _Plan, framework: str, device: int, ptrs: tuple) -> None:
     else:
         prog.run(ptrs, stream)
     del owner  # back to its stream-ordered allocator: later work on this stream may reuse it
+
+
+def _single_launch(plan: _Plan) -> bool:
+    """One launch and no scratch (the forward): nothing for a graph to merge, nothing to allocate."""
+    return not plan.scratch_bytes and len(plan.ops) == 1 and plan.ops[0][0] == "launch"
 
 
 class _Program:
@@ -922,17 +930,17 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
 
     The result is in the input's framework and memory format (channels-last in, channels-last out).
     """
-    key = _memo_key((input, grid), ("forward", mode, padding_mode, align_corners))
+    key, ptrs = _memo_key((input, grid), ("forward", mode, padding_mode, align_corners))
     prep = _lookup(key)
     if prep is not None:
-        return _launch(prep, (input.data_ptr(), grid.data_ptr()))["output"]
+        return _launch(prep, ptrs)[0]
     check_options(mode, padding_mode, align_corners)  # bad option names fail before any buffer is touched
     inp, gr = describe(input, "input"), describe(grid, "grid")
     framework, device = _check_same_place({"input": inp, "grid": gr})
     plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
     prep = _prepared(plan, framework, device, {"output": input})
     _remember(key, prep)
-    return _launch(prep, (inp.ptr, gr.ptr))["output"]
+    return _launch(prep, (inp.ptr, gr.ptr))[0]
 
 
 def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str = "bilinear",
@@ -945,11 +953,9 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
     grad_input takes the input's memory format, grad_grid is contiguous; both in the inputs' framework.
     """
     options = ("backward", mode, padding_mode, align_corners, input_requires_grad, grid_requires_grad, deterministic)
-    key = _memo_key((grad_output, input, grid), options)
+    key, ptrs = _memo_key((grad_output, input, grid), options)
     prep = _lookup(key)
-    if prep is not None:
-        ptrs = (grad_output.data_ptr(), input.data_ptr(), grid.data_ptr())
-    else:
+    if prep is None:
         check_options(mode, padding_mode, align_corners)
         go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
         framework, device = _check_same_place({"grad_output": go, "input": inp, "grid": gr})
@@ -958,7 +964,7 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
         prep = _prepared(plan, framework, device, {"grad_input": input, "grad_grid": grid})
         _remember(key, prep)
         ptrs = (go.ptr, inp.ptr, gr.ptr)
-    results = _launch(prep, ptrs)
+    results = dict(zip((role for role, _ in prep.outputs), _launch(prep, ptrs)))
     return results.get("grad_input"), results.get("grad_grid")
 
 
@@ -968,25 +974,36 @@ class _Prepared(NamedTuple):
     framework: str
     device: int
     outputs: tuple  # (role, allocate() -> a new result buffer)
+    pointer: Callable[[Any], int]  # a result buffer's address
+    stream: Callable[[], int]  # the framework's current stream on the device
+    single: bool  # _single_launch(plan): the call goes straight to its launch
 
 
 def _prepared(plan: _Plan, framework: str, device: int, likes: dict) -> _Prepared:
-    """What a call of `plan` does besides launching: allocate each result like its model buffer."""
+    """What a call of `plan` does besides launching: allocate each result like its model buffer, find its
+    address and the stream (for torch: straight from torch._C, skipping the generic helpers' checks)."""
     outputs = []
     for role, desc in plan.outputs.items():
         like = likes[role]
         allocate = torch_allocator(desc, like.device) if framework == "torch" else \
             functools.partial(allocate_like, desc, like=like, framework=framework, device=device)
         outputs.append((role, allocate))
-    return _Prepared(plan, framework, device, tuple(outputs))
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        stream, pointer = functools.partial(torch._C._cuda_getCurrentRawStream, device), torch.Tensor.data_ptr
+    else:
+        stream, pointer = functools.partial(stream_pointer, None, framework, device), _ptr
+    return _Prepared(plan, framework, device, tuple(outputs), pointer, stream, _single_launch(plan))
 
 
-def _launch(prep: _Prepared, inputs: tuple) -> dict:
-    """Allocate the results and run the plan on `inputs` (the inputs' addresses, in plan.inputs order) and
-    theirs."""
-    results = {role: allocate() for role, allocate in prep.outputs}
-    if prep.plan.ops:
-        _run(prep.plan, prep.framework, prep.device, inputs + tuple([_ptr(r) for r in results.values()]))
+def _launch(prep: _Prepared, inputs: tuple) -> list:
+    """Allocate the results (a list, in prep.outputs' order) and run the plan on `inputs` (the inputs'
+    addresses, in plan.inputs order) and theirs."""
+    results = [allocate() for _, allocate in prep.outputs]
+    if prep.single and PROFILE is None:  # the forward's hot path: _run's steps, inlined (~1 us of ~15)
+        _program(prep.plan, prep.device).run(inputs + tuple(map(prep.pointer, results)), prep.stream())
+    elif prep.plan.ops:
+        _run(prep.plan, prep.framework, prep.device, inputs + tuple(map(prep.pointer, results)), prep.stream())
     return results
 
 
@@ -994,23 +1011,25 @@ _memo: dict = {}  # _memo_key -> _Prepared, for torch tensors (what the checks a
 _memo_tuning: list = [None]  # the TUNING the memo was filled under: plans depend on it
 
 
-def _memo_key(objs: tuple, options: tuple) -> tuple | None:
-    """Every input's shape, strides, dtype, device and address modulo 256, with the options and their types
-    (1 must not pass where True was checked); None where a buffer is not a torch tensor (the checked path
-    serves those)."""
+def _memo_key(objs: tuple, options: tuple) -> tuple[tuple | None, tuple]:
+    """(key, the inputs' addresses): the key holds every input's shape, strides, dtype, device and address
+    modulo 256, with the options and their types (1 must not pass where True was checked); None where a
+    buffer is not a torch tensor (the checked path serves those)."""
     tensor = torch_tensor_type()
     if tensor is None:
-        return None
-    parts = []
+        return None, ()
+    parts, ptrs = [], []
     for t in objs:
         if not isinstance(t, tensor):
-            return None
-        parts.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 256))
+            return None, ()
+        ptr = t.data_ptr()
+        ptrs.append(ptr)
+        parts.append((t.shape, t.stride(), t.dtype, t.get_device(), ptr % 256))
     key = (options, tuple(map(type, options)), tuple(parts))
     if _memo_tuning[0] != TUNING:  # tests and tools retune: what was prepared under other knobs is stale
         _memo.clear()
         _memo_tuning[0] = copy.deepcopy(TUNING)
-    return key
+    return key, tuple(ptrs)
 
 
 def _lookup(key: tuple | None) -> _Prepared | None:
@@ -1034,3 +1053,4 @@ def _remember(key: tuple | None, prep: _Prepared) -> None:
 
 def _ptr(obj: Any) -> int:
     return obj.data_ptr() if hasattr(obj, "data_ptr") else obj.data.ptr
+

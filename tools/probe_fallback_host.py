@@ -48,7 +48,7 @@ def main() -> int:
 
     out = prep.outputs[0][1]()
     ptrs = (x.data_ptr(), grid.data_ptr(), out.data_ptr())
-    key = gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))
+    key, _ = gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))
     pieces = {
         "grid_sample f16 (whole call)": cases["grid_sample f16"],
         "memo key": lambda: gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False)),

@@ -37,7 +37,7 @@ def main() -> int:
         grid = (torch.rand(shape[0], *shape[2:], 2, device="cuda") * 2.2 - 1.1).to(dtype)
         gs.grid_sample(x, grid)
         options = ("forward", "bilinear", "zeros", False)
-        key = gs._memo_key((x, grid), options)
+        key, _ = gs._memo_key((x, grid), options)
         prep = gs._lookup(key)
         (role, allocate), = prep.outputs
         out = allocate()
@@ -48,7 +48,7 @@ def main() -> int:
         cases = {
             "call": lambda: gs.grid_sample(x, grid),
             "torch F.grid_sample": lambda: F.grid_sample(x, grid, align_corners=False),
-            "memo key + lookup": lambda: gs._lookup(gs._memo_key((x, grid), options)),
+            "memo key + lookup": lambda: gs._lookup(gs._memo_key((x, grid), options)[0]),
             "allocate the output": allocate,
             "_launch (allocate + run)": lambda: gs._launch(prep, (x.data_ptr(), grid.data_ptr())),
             "_run (output made once)": lambda: gs._run(prep.plan, prep.framework, prep.device, ptrs),
