@@ -13,7 +13,9 @@ took 1-2 ms of host time and a ResNet-50 conv plan 0.75-4 ms, the GPU still busy
 queued sleep), so a training loop that never lets its stream idle still gets its graphs. Should one
 recording behind queued work ever wait for it (an earlier launcher policy saw that once), `watch()` turns
 recording behind work off for the process: later recordings wait for an idle stream, as they once all
-did. A wait inside a garbage collection is the collector's, not the recording's (a full suite run saw one
+did. Known waits (`tools/probe_stall_sources.py`): a kernel whose stack frame exceeds the
+context's stack limit (1 KB a thread), at the instantiation of the first graph holding it, and the first
+use of a torch kernel. A wait inside a garbage collection is the collector's, not the recording's (a full suite run saw one
 free earlier tests' plans mid-recording): it is logged and changes nothing.
 While the caller's stream is being captured (`torch.cuda.graph`), calls run directly and their launches
 land in the caller's graph.

@@ -3,10 +3,11 @@
     python3 tools/probe_launch_cost.py --out launch.json
 
 Host us per call (probe_call_path.host_us: median of 7 rounds of 200 calls, GPU held busy by a queued
-sleep) of: a grid_sample forward call and torch's; that call's `driver.Kernel.launch`; its
-cuLaunchKernel alone (11 ctypes arguments); the same launch through cuLaunchKernelEx (4 arguments, the
-geometry in a config struct packed once: what `driver.Kernel` uses); cuCtxGetCurrent; an argument-less kernel through both entry
-points; torch's cheapest launch (`torch.cuda._sleep(1)`); allocating the output.
+sleep) of: a grid_sample forward call and torch's; that call's `driver.Kernel.launch`; its cuLaunchKernel
+alone (11 ctypes arguments); the same launch through cuLaunchKernelEx (4 arguments, the geometry in a
+config struct packed once: what `driver.Kernel` uses); cuCtxGetCurrent; an argument-less kernel through
+both entry points, with the GIL held (ctypes.PyDLL) and through CuPy; torch's cheapest launch
+(`torch.cuda._sleep(1)`); allocating the output.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def main() -> int:
     nop_kernel = driver.Kernel(_compile.cufunction(nop, 0), grid=1, block=32, args=[], ordinal=0)
     nop_kernel._config.hStream = stream
     nop_plain, nop_plain_args = _plain_call(nop_kernel, stream)
+    held = ctypes.PyDLL("libcuda.so.1")["cuLaunchKernelEx"]  # the GIL held through the call
+    held.restype = ctypes.c_int
+    cupy_stream = cupy.cuda.ExternalStream(stream)
+    cupy_stream.use()
     torch.cuda.synchronize()
 
     cases = {
@@ -82,6 +87,8 @@ def main() -> int:
         "cuCtxGetCurrent": lambda: kernel._get_current(kernel._current_ref),
         "nop cuLaunchKernel": lambda: nop_plain(*nop_plain_args),
         "nop cuLaunchKernelEx": lambda: nop_kernel._launch(*nop_kernel._call),
+        "nop cuLaunchKernelEx, GIL held (PyDLL)": lambda: held(*nop_kernel._call),
+        "nop CuPy RawKernel call": lambda: nop((1,), (32,), ()),
         "torch.cuda._sleep(1)": lambda: torch.cuda._sleep(1),
         "allocate the output": allocate,
         "torch.empty_like(x)": lambda: torch.empty_like(x),
