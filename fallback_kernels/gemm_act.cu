@@ -249,6 +249,31 @@ __global__ void __launch_bounds__(32 * WARPS, FWD_MIN_BLOCKS(T, A)) act_fwd_rows
     }
 }
 
+// y = act(x) over `vectors` runs of V contiguous elements: the forward pass where the GEMM already wrote the
+// rounded pre-activation (no bias left to add, no mask), as one flat array the way torch's elementwise
+// kernels run it: each thread loads ITEMS vectors THREADS apart, then computes and stores them. x may be y
+// (in place), so neither is __restrict__.
+template <typename T, int V, int ACT, int THREADS, int ITEMS>
+__global__ void __launch_bounds__(THREADS) act_fwd_flat(const T* x, T* y, long long vectors, float p) {
+    const long long base = (long long)blockIdx.x * (THREADS * ITEMS) + threadIdx.x;
+    Vec<T, V> v[ITEMS];
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+        const long long i = base + (long long)k * THREADS;
+        if (i < vectors) v[k] = load_vec<T, V>(x + i * V);
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+        const long long i = base + (long long)k * THREADS;
+        if (i < vectors) {
+            Vec<T, V> out;
+#pragma unroll
+            for (int j = 0; j < V; ++j) out.t[j] = from_acc<T>(fwd_value<T, ACT>(to_acc(v[k].t[j]), p));
+            store_vec<T, V>(y + i * V, out);
+        }
+    }
+}
+
 // dst[r, c] (+)= src[r * cols + c]: an f32 GEMM result (summed over batches) into the io-typed gradient.
 template <typename T>
 __global__ void convert_add(const float* __restrict__ src, T* __restrict__ dst, int rows, int cols,

@@ -68,6 +68,10 @@ MASK_DTYPES = ("int32", "uint32", "<i4", "<u4")
 OPTIONS = _compile.BASE_OPTIONS
 WARPS, UNROLL = 8, 4  # as in gemm_act.cu
 BLOCK = 32 * WARPS
+# act_fwd_flat's block: 256 threads of one 16-byte vector each took 48.7 us on bf16 8192x4096 gelu where the
+# row kernel took 58.0 and torch's gelu 51.6 (70.4 / 83.5 / 75.2 on 16384x3072; 128-512 threads and 1-4
+# vectors a thread were within 3 %, H100, tools/probe_act_pass.py)
+FLAT_THREADS, FLAT_ITEMS = 256, 1
 ROLES = ("a", "b", "bias")
 
 
@@ -92,7 +96,7 @@ def module_names(dtype: str, group: str | None) -> list[str]:
     for v in (1, VEC[dtype]):
         names.append(f"act_bwd<{t}, {v}, {_aux_kind(group)}, {code}>")
         names += [_fwd_name(t, acc, v, code) for acc in dict.fromkeys(("float", t))]
-    return names
+    return names + [_flat_name(t, VEC[dtype], code)]
 
 
 def name_expressions(dtype: str | None = None) -> list[str]:
@@ -108,6 +112,11 @@ def name_expressions(dtype: str | None = None) -> list[str]:
 def _fwd_name(t: str, acc: str, v: int, code: int) -> str:
     """The forward pass over f32 accumulators (acc "float") or a pre-activation in the io type (acc t)."""
     return f"act_fwd_rows<{t}, {acc}, {v}, {code}>"
+
+
+def _flat_name(t: str, v: int, code: int) -> str:
+    """The forward pass y = act(pre) over a contiguous io-typed pre-activation, as one flat array."""
+    return f"act_fwd_flat<{t}, {v}, {code}, {FLAT_THREADS}, {FLAT_ITEMS}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -710,6 +719,12 @@ def _act_pass(bld: _Builder, act: Activation, *, acc: Loc, acc_type: str, bias: 
     ops = bld.ops
     n, rows = ops.n, ops.rows
     v = _vec(bld, n, acc, pre, y)
+    if acc_type == CTYPES[ops.dtype] and bias is None and pre is None and mask is None and v > 1:
+        vectors = rows * n // v  # contiguous [rows, n], rows 16-byte aligned: one flat array of vectors
+        bld.kernel(_flat_name(CTYPES[ops.dtype], v, ACT_CODES[act.name]),
+                   (_cdiv(vectors, FLAT_THREADS * FLAT_ITEMS),), FLAT_THREADS,
+                   [acc, y, _i64(vectors), _f32(act.param or 0.0)], group=act.name)
+        return
     grid = (_cdiv(n, 32 * v), max(1, min(_cdiv(rows, WARPS * UNROLL), _sm_count(ops.device) * 8)))
     bias_stride = ops.infos["bias"].strides[0] if bias is not None else 0
     bld.kernel(_fwd_name(CTYPES[ops.dtype], acc_type, v, ACT_CODES[act.name]), grid, BLOCK,

@@ -23,9 +23,10 @@ def test_gemm_act_compiles(arch):
     lowered = kc.nvrtc_check("gemm_act.cu", names, arch, gemm_act.OPTIONS)
     assert all(lowered[name] for name in names)
     # per io type and vector width, for every activation: the backward, the forward over f32 accumulators and
-    # (16-bit io) over the io type; then bias_finalize and convert_add
+    # (16-bit io) over the io type; per io type and activation the flat forward; then bias_finalize and
+    # convert_add
     acts = len(ACTIVATIONS)
-    assert len(names) == 2 * (2 * 3 * acts + 2) + (2 * 2 * acts + 2)
+    assert len(names) == 2 * (2 * 3 * acts + 2) + (2 * 2 * acts + 2) + 3 * acts
     assert sorted(names) == sorted(n for dt in gemm_act.CTYPES for n in gemm_act.name_expressions(dt))
 
 
@@ -39,6 +40,19 @@ def test_forward_pass_fits_its_blocks_per_sm_without_local_memory():
     assert not framed, f"local memory in: {framed}"
     io_typed = [n for n in names if n.split("<")[1].split(",")[0] == n.split(",")[1].strip()]
     assert io_typed and all(found[n]["registers"] <= 64 for n in io_typed), {n: found[n] for n in io_typed}
+
+
+def test_flat_forward_pass_has_no_local_memory():
+    """The flat pass (a pre-activation the GEMM already rounded) keeps its vectors in registers, few enough
+    for a full SM of 256-thread blocks at sm_90 (<= 32 registers: 8 blocks)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    names = [n for n in gemm_act.name_expressions() if n.startswith("act_fwd_flat<")]
+    assert len(names) == 3 * len(ACTIVATIONS)
+    found = kc.ptxas_resources("gemm_act.cu", names, "sm_90", gemm_act.OPTIONS)
+    framed = {n: r for n, r in found.items() if r["stack_bytes"] or r["spill_stores"]}
+    assert not framed, f"local memory in: {framed}"
+    heavy = {n: r["registers"] for n, r in found.items() if r["registers"] > 32}
+    assert not heavy, f"more than 32 registers: {heavy}"
 
 
 def test_activation_codes_match_the_cuda_enum():
