@@ -111,6 +111,35 @@ for _frame in (256, 2048, 32768):
     CASES[f"frame_{_frame}_graph"] = functools.partial(_frame_graph, _frame)
 
 
+def _many_graphs(count: int) -> dict:
+    """`count` instantiated one-kernel graphs held, then one more captured, instantiated and launched behind
+    the sleep (a process that has recorded many calls' graphs)."""
+    import cupy
+    import numpy as np
+    import torch
+
+    torch.zeros(1, device="cuda")
+    out = cupy.ones(4096, dtype=cupy.float32)
+    fn = _frame_kernel(16)
+    side = cupy.cuda.Stream(non_blocking=True)
+
+    def one():
+        side.begin_capture()
+        fn((1,), (32,), (out, np.int32(out.size), np.int32(7)), stream=side)
+        return side.end_capture()
+
+    held = [one() for _ in range(count)]
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    for graph in held[-4:]:
+        graph.launch(stream)
+    result = {"held": len(held), "capture+instantiate+launch": _behind_sleep(lambda: one().launch(stream))}
+    return result
+
+
+for _count in (0, 1000, 5000):
+    CASES[f"graphs_{_count}_held"] = functools.partial(_many_graphs, _count)
+
+
 @case
 def get_function_after_load():
     import cupy
