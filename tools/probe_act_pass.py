@@ -3,8 +3,8 @@
     python3 tools/probe_act_pass.py --out act_pass.json
 
 Where the GEMM already wrote the rounded pre-activation (exact gelu and the other activations cuBLASLt has no
-epilogue for), the pass is y = act(pre), elementwise. Device us per pass (CUDA events around 20 back-to-back
-launches, median of 7 rounds) of `act_fwd_rows` as gemm_act launches it, of `act_fwd_flat<.., THREADS, ITEMS>`
+epilogue for), the pass is y = act(pre), elementwise. Device us per pass (bench_fallback_calls' device time:
+CUDA events around 20 back-to-back launches, median of 5 rounds) of `act_fwd_rows` as gemm_act launches it, of `act_fwd_flat<.., THREADS, ITEMS>`
 for several block sizes and vectors per thread, and of torch's own activation on the same tensor; bf16, N(0, 1)
 inputs, every variant's output checked bit-identical to the row kernel's.
 """
@@ -13,27 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fallback_calls import _device_ms  # noqa: E402  (tools/ is sys.path[0] when run as a script)
+
 SHAPES = ((8192, 4096), (16384, 3072))
 FLAT = ((128, 1), (128, 2), (128, 4), (256, 1), (256, 2), (256, 4), (512, 1), (512, 2))
 
 
-def _device_us(torch, fn, calls: int = 20, rounds: int = 7) -> float:
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return round(statistics.median(times), 2)
+def _device_us(fn) -> float:
+    return round(_device_ms(fn) * 1e3, 2)
 
 
 def main() -> int:
@@ -66,8 +58,8 @@ def main() -> int:
             rows_args = (pre.data_ptr(), 0, np.int64(0), 0, ref.data_ptr(), 0, np.int64(m), np.int32(n),
                          np.int32(0), np.float32(0.0))
             row = {"act": act, "shape": [m, n],
-                   "rows": _device_us(torch, lambda: rows_fn(grid, (ga.BLOCK,), rows_args)),
-                   "torch": _device_us(torch, lambda: torch_acts[act](pre))}
+                   "rows": _device_us(lambda: rows_fn(grid, (ga.BLOCK,), rows_args)),
+                   "torch": _device_us(lambda: torch_acts[act](pre))}
             vectors = m * n // v
             for label, name in flat_names.items():
                 th, it = (int(x) for x in label.split()[1].split("x"))
@@ -78,7 +70,7 @@ def main() -> int:
                 fn(blocks, (th,), fargs)
                 torch.cuda.synchronize()
                 same = bool(torch.equal(out.view(torch.int16), ref.view(torch.int16)))
-                row[label] = _device_us(torch, lambda: fn(blocks, (th,), fargs)) if same else "differs from rows"
+                row[label] = _device_us(lambda: fn(blocks, (th,), fargs)) if same else "differs from rows"
             print(json.dumps(row), flush=True)
             rows_out.append(row)
     Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows_out}, indent=1))
