@@ -1053,4 +1053,3 @@ def _remember(key: tuple | None, prep: _Prepared) -> None:
 
 def _ptr(obj: Any) -> int:
     return obj.data_ptr() if hasattr(obj, "data_ptr") else obj.data.ptr
-
