@@ -6,12 +6,15 @@ A recording behind queued work was seen to wait ~1 s for the GPU once in a few r
 `test_no_device_synchronisation` (the queue was a 1 s sleep). Each case here runs in a fresh process
 (a fresh context: what a context has done before decides whether it must grow something): the case's
 setup runs on an idle GPU, then a ~1 s sleep is queued and the step under test is timed on the host,
-with whether the GPU was still busy after it. A step that took ~1 s and left the GPU idle waited.
+with whether the GPU was still busy after it. A step that took ~1 s waited (a direct launch that waited
+leaves its own kernel running, so "gpu_busy_after" alone does not tell).
 
-Cases: the first launch of a kernel with a large local-memory frame (the context's local memory may
-have to grow), the same kernel first seen inside a captured and instantiated CUDA graph, a function
-fetched from a loaded module (lazy loading loads it then), and a torch kernel first used behind the
-sleep, each under CUDA_MODULE_LOADING=LAZY (torch's default) and EAGER.
+Cases, each under CUDA_MODULE_LOADING=LAZY (torch's default) and EAGER: the first launch of a kernel with
+a local-memory frame of 256 B to 32 KB (the context's local memory may have to grow), the same kernel first
+seen inside a captured and instantiated CUDA graph, a graph captured and instantiated while 0-5000 others
+are held, a function fetched from a loaded module (lazy loading loads it then), a torch kernel first used
+behind the sleep, a new block for torch's caching allocator (cudaMalloc), and our grid_sample f16 calls'
+recordings in a fresh process.
 """
 
 from __future__ import annotations
