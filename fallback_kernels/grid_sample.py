@@ -976,7 +976,6 @@ class _Prepared(NamedTuple):
     outputs: tuple  # (role, allocate() -> a new result buffer)
     pointer: Callable[[Any], int]  # a result buffer's address
     stream: Callable[[], int]  # the framework's current stream on the device
-    single: bool  # _single_launch(plan): the call goes straight to its launch
 
 
 def _prepared(plan: _Plan, framework: str, device: int, likes: dict) -> _Prepared:
@@ -993,16 +992,14 @@ def _prepared(plan: _Plan, framework: str, device: int, likes: dict) -> _Prepare
         stream, pointer = functools.partial(torch._C._cuda_getCurrentRawStream, device), torch.Tensor.data_ptr
     else:
         stream, pointer = functools.partial(stream_pointer, None, framework, device), _ptr
-    return _Prepared(plan, framework, device, tuple(outputs), pointer, stream, _single_launch(plan))
+    return _Prepared(plan, framework, device, tuple(outputs), pointer, stream)
 
 
 def _launch(prep: _Prepared, inputs: tuple) -> list:
     """Allocate the results (a list, in prep.outputs' order) and run the plan on `inputs` (the inputs'
     addresses, in plan.inputs order) and theirs."""
     results = [allocate() for _, allocate in prep.outputs]
-    if prep.single and PROFILE is None:  # the forward's hot path: _run's steps, inlined (~1 us of ~15)
-        _program(prep.plan, prep.device).run(inputs + tuple(map(prep.pointer, results)), prep.stream())
-    elif prep.plan.ops:
+    if prep.plan.ops:
         _run(prep.plan, prep.framework, prep.device, inputs + tuple(map(prep.pointer, results)), prep.stream())
     return results
 
