@@ -8,7 +8,7 @@ from ._version import __version__
 from .api import conv_bwd_data, conv_bwd_filter, conv_fwd, default_session, run
 from .environment import Environment, environment
 from .errors import (BufferMismatchError, ConfigError, CudnnGraphsError, FrontendMissingError, GraphCaptureError,
-                     KernelCompileError, SpecError, UnsupportedGraphError)
+                     KernelCompileError, ShapeError, SpecError, UnsupportedGraphError)
 from .graph import GraphBuild, GraphPart, build_graph
 from .plan import Plan, Session
 from .recording import record
@@ -21,6 +21,6 @@ __all__ = [
     "ACTIVATIONS", "Activation", "BufferMismatchError", "ConfigError", "ConvBwdDataRequest", "ConvBwdDataSpec",
     "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudnnGraphsError", "Environment",
     "FrontendMissingError", "GraphBuild", "GraphCaptureError", "GraphPart", "KernelCompileError", "Plan", "Session",
-    "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data",
+    "ShapeError", "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data",
     "conv_bwd_filter", "conv_fwd", "default_session", "environment", "record", "run", "signature", "spec_from_dict",
 ]

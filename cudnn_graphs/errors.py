@@ -13,8 +13,8 @@ from gpu_launch.errors import (BufferMismatchError, CudaDriverError, CudnnGraphs
                                SpecError, shown)
 
 __all__ = ["BufferMismatchError", "ConfigError", "CudaDriverError", "CudnnBackendError", "CudnnGraphsError",
-           "FrontendMissingError", "GraphCaptureError", "KernelCompileError", "NoGpuError", "SpecError",
-           "UnsupportedGraphError", "shown"]
+           "FrontendMissingError", "GraphCaptureError", "KernelCompileError", "NoGpuError", "ShapeError",
+           "SpecError", "UnsupportedGraphError", "shown"]
 
 
 class ConfigError(CudnnGraphsError, ValueError):
@@ -25,6 +25,12 @@ class ConfigError(CudnnGraphsError, ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"${variable}={value!r}: {reason}")
+
+
+class ShapeError(SpecError, RuntimeError):
+    """A tensor's shape does not fit the op (channels, bias length, a kernel larger than the padded
+    input ...). Also a RuntimeError: where a drop-in torch function raises, code catching torch's
+    RuntimeError catches ours."""
 
 
 class UnsupportedGraphError(CudnnGraphsError):

@@ -86,13 +86,24 @@ class _ConvRequest:
     def _infer_spec(self) -> _ConvSpec:
         fields = self._fields()
         info = self.infos[self.primary]
-        layout = _layout_of(info.shape, info.strides) or geometry.CHANNELS_FIRST
+        layout = self._layout(info)
         strides = {}
         for role, other in self.infos.items():
-            if role in self.spec_type.stride_roles and _layout_of(other.shape, other.strides) != layout:
+            if role in self.spec_type.stride_roles and layout not in _layouts_of(other.shape, other.strides):
                 strides[role] = _explicit(other.shape, other.strides, layout)
         kwargs = {**self.params, **fields, "dtype": info.dtype, "layout": layout, "strides": strides or None}
         return self.spec_type(**kwargs)
+
+    def _layout(self, info: _buffers.BufferInfo) -> str:
+        """The primary buffer's layout. Where it is packed both ways (one channel, or every spatial dim 1)
+        torch's rule decides: channels_last where it or a buffer beside it (the weight) has such strides,
+        never for float64."""
+        layouts = _layouts_of(info.shape, info.strides)
+        if len(layouts) != 2:
+            return layouts[0] if layouts else geometry.CHANNELS_FIRST
+        if info.dtype != "float64" and any(geometry.strides_like_channels_last(i.shape, i.strides) for i in self.infos.values()):
+            return geometry.CHANNELS_LAST
+        return geometry.CHANNELS_FIRST
 
     def _fields(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -195,11 +206,14 @@ class ConvBwdFilterRequest(_ConvRequest):
 
 
 def _layout_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
-    """channels_first or channels_last when densely packed that way, else None."""
-    for layout in (geometry.CHANNELS_FIRST, geometry.CHANNELS_LAST):
-        if _buffers.same_layout(strides, geometry.packed_strides(shape, layout), shape):
-            return layout
-    return None
+    """channels_first or channels_last when densely packed that way (channels_first where both), else None."""
+    layouts = _layouts_of(shape, strides)
+    return layouts[0] if layouts else None
+
+
+def _layouts_of(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(layout for layout in (geometry.CHANNELS_FIRST, geometry.CHANNELS_LAST)
+                 if _buffers.same_layout(strides, geometry.packed_strides(shape, layout), shape))
 
 
 def _explicit(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> tuple[int, ...]:

@@ -278,3 +278,55 @@ def test_deterministic_mode_is_bit_identical():
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_unbatched_input_on_cuda(nd):
+    ours, theirs, x_ours, x = _pair(nd, 4, 6, 3, torch.float32, channels_last=False, padding=1)
+    x_ours, x = x_ours[0].requires_grad_(True), x[0].requires_grad_(True)
+    y, want = ours(x_ours), theirs(x)
+    assert y.shape == want.shape == (6, *x.shape[1:])
+    assert ref.rel_err(y, want) < TOL[torch.float32]
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x_ours, gy)
+    (wx,) = torch.autograd.grad(want, x, gy.double())
+    assert ref.rel_err(gx, wx) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, field", [((2, 4, 8, 8), (6, 3, 3, 3), "input"),
+                                                     ((2, 4, 2, 2), (6, 4, 3, 3), "input"),
+                                                     ((8, 8), (6, 4, 3, 3), "input")])
+def test_shapes_torch_refuses_raise_its_runtime_error_on_cuda_too(x_shape, w_shape, field):
+    from cudnn_graphs import ShapeError
+
+    x = torch.randn(x_shape, device="cuda", dtype=torch.half)
+    w = torch.randn(w_shape, device="cuda", dtype=torch.half, requires_grad=True)
+    for _ in range(2):  # the second call meets the memo, which must not have remembered a bad geometry
+        with pytest.raises(ShapeError) as err:
+            cgt.conv2d(x, w)
+        assert err.value.field == field and isinstance(err.value, RuntimeError)
+
+
+LAYOUTS = [  # (x, w) memory formats torch's cuDNN conv reads; the output's layout is torch's rule
+    ((2, 8, 9, 9), (16, 8, 3, 3), None, torch.channels_last),
+    ((2, 8, 9, 9), (16, 8, 3, 3), torch.channels_last, None),
+    ((2, 1, 9, 9), (16, 1, 3, 3), None, torch.channels_last),  # grayscale: the weight's strides decide
+    ((2, 8, 9, 9), (16, 8, 1, 1), None, torch.channels_last),
+    ((2, 4, 5, 6, 7), (8, 4, 3, 3, 3), None, torch.channels_last_3d),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("x_shape, w_shape, x_fmt, w_fmt", LAYOUTS)
+def test_output_layout_and_values_follow_torch_for_mixed_layouts(x_shape, w_shape, x_fmt, w_fmt, dtype):
+    x = torch.randn(x_shape, device="cuda", dtype=dtype)
+    w = torch.randn(w_shape, device="cuda", dtype=dtype)
+    x = x if x_fmt is None else x.to(memory_format=x_fmt)
+    w = w if w_fmt is None else w.to(memory_format=w_fmt)
+    conv = {4: F.conv2d, 5: F.conv3d}[x.dim()]
+    ours = {4: cgt.conv2d, 5: cgt.conv3d}[x.dim()]
+    for _ in range(2):  # first sight, then the memo's call
+        y, want = ours(x, w, padding=w_shape[-1] // 2), conv(x, w, padding=w_shape[-1] // 2)
+        assert y.stride() == want.stride(), (y.stride(), want.stride())
+        assert ref.rel_err(y, conv(x.double(), w.double(), padding=w_shape[-1] // 2)) < 2 * TOL[dtype]
+    assert not _conv._declined

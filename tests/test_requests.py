@@ -199,3 +199,15 @@ def test_spec_memo_tells_apart_what_changes_the_spec():
     dy = FakeCuda((1, 4, 3, 3))
     assert ConvBwdDataRequest(dy, w, stride=2, padding=1).spec().x_shape == (1, 4, 5, 5)
     assert ConvBwdDataRequest(dy, w, stride=2, padding=1, x_shape=(1, 4, 6, 6)).spec().x_shape == (1, 4, 6, 6)
+
+
+def test_an_input_packed_both_ways_takes_a_channels_last_weights_layout_as_torch_does():
+    x = FakeCuda((2, 1, 9, 9))  # one input channel (a grayscale first layer): both layouts fit x
+    spec = ConvFwdRequest(x, FakeCuda((8, 1, 3, 3), layout="channels_last"), padding=1).spec()
+    assert spec.layout == "channels_last" and not spec.strides
+    assert ConvFwdRequest(x, FakeCuda((8, 1, 3, 3)), padding=1).spec().layout == "channels_first"
+    wgrad = ConvBwdFilterRequest(x, FakeCuda((2, 8, 9, 9), layout="channels_last"), padding=1).spec()
+    assert wgrad.layout == "channels_last" and not wgrad.strides
+    double = ConvFwdRequest(FakeCuda((2, 1, 9, 9), dtype="float64"),
+                            FakeCuda((8, 1, 3, 3), dtype="float64", layout="channels_last"), padding=1).spec()
+    assert double.layout == "channels_first"  # torch lays float64 convs out channels_first

@@ -119,3 +119,72 @@ def test_autocast_casts_as_torch_does_and_passes_a_tensor_already_in_the_dtype_a
     got = _conv._autocast((x16, w32, b64, None), torch.float16)
     assert got[0] is x16 and got[1].dtype == torch.float16 and got[2] is b64 and got[3] is None
     assert [t.dtype for t in _conv._autocast((x16, w32), torch.bfloat16)] == [torch.bfloat16] * 2
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect", "circular"])
+def test_unbatched_input_as_torch_takes_it(nd, padding_mode):
+    ours = OURS[nd](4, 6, 3, padding=1, padding_mode=padding_mode).double()
+    theirs = THEIRS[nd](4, 6, 3, padding=1, padding_mode=padding_mode).double()
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, *(7,) * nd, dtype=torch.float64, requires_grad=True)
+    y, want = ours(x), theirs(x)
+    assert y.shape == want.shape == (6, *(7,) * nd)
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+    z = torch.randn(6, *(7,) * nd, dtype=torch.float64)
+    torch.testing.assert_close(FUNCS[nd](x, ours.weight, ours.bias, padding=1, residual=z, activation="relu"),
+                               F.relu(want + z) if padding_mode == "zeros" else F.relu(
+                                   {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd](x, ours.weight, ours.bias, padding=1) + z))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, kwargs, field, torch_says", [
+    ((8, 8), (6, 8, 3, 3), {}, "input", "Expected 3D"),
+    ((2, 4, 8, 8), (6, 3, 3, 3), {}, "input", "channels"),
+    ((2, 4, 8, 8), (6, 2, 3, 3), dict(groups=3), "input", "channels"),
+    ((2, 4, 8, 8), (6, 4, 3, 3), dict(bias=(5,)), "bias", "bias"),
+    ((2, 4, 2, 2), (6, 4, 3, 3), {}, "input", "Kernel size"),
+    ((2, 4, 8, 8), (6, 4, 3), {}, "input", None),
+    ((2, 4, 8, 8), (6, 4, 3, 3), dict(residual=(2, 6, 8, 8)), "residual", None),
+])
+def test_shapes_torch_refuses_raise_a_shape_error_that_is_also_torchs_runtime_error(x_shape, w_shape, kwargs, field,
+                                                                                     torch_says):
+    from cudnn_graphs import ShapeError
+
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    kwargs = {k: torch.randn(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    with pytest.raises(ShapeError) as err:
+        cgt.conv2d(x, w, **kwargs)
+    assert err.value.field == field and isinstance(err.value, RuntimeError)
+    if torch_says is not None:
+        with pytest.raises(RuntimeError, match=torch_says):
+            F.conv2d(x, w, **kwargs)
+
+
+def test_conv_forward_serves_subclasses_that_pass_their_own_weight():
+    class Standardised(cgt.Conv2d):  # timm's StdConv2d pattern: a transformed weight through _conv_forward
+        def forward(self, x):
+            w = (self.weight - self.weight.mean((1, 2, 3), keepdim=True)) / (self.weight.std((1, 2, 3), keepdim=True))
+            return self._conv_forward(x, w, self.bias)
+
+    conv = Standardised(4, 6, 3, padding=1, padding_mode="reflect").double()
+    x = torch.randn(2, 4, 9, 9, dtype=torch.float64)
+    w = (conv.weight - conv.weight.mean((1, 2, 3), keepdim=True)) / conv.weight.std((1, 2, 3), keepdim=True)
+    want = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), w, conv.bias)
+    torch.testing.assert_close(conv(x), want)
+
+
+def test_output_layout_follows_torchs_cudnn_rule():
+    from cudnn_graphs.torch._conv import _conv_format
+
+    cl = torch.channels_last
+    x, w = torch.empty(2, 8, 5, 5), torch.empty(4, 8, 3, 3)
+    assert _conv_format(x, w) == torch.contiguous_format
+    assert _conv_format(x, w.contiguous(memory_format=cl)) == cl  # a channels_last weight decides, as in torch
+    assert _conv_format(x.contiguous(memory_format=cl), w) == cl
+    assert _conv_format(x.double().contiguous(memory_format=cl), w.double()) == torch.contiguous_format
+    gray = torch.empty(2, 1, 5, 5)  # packed both ways: the weight's strides decide (.to restrides, .contiguous not)
+    assert _conv_format(gray, torch.empty(4, 1, 3, 3).to(memory_format=cl)) == cl
+    assert _conv_format(gray, torch.empty(4, 1, 3, 3)) == torch.contiguous_format
+    assert _conv_format(torch.empty(2, 8, 3, 4, 5), torch.empty(4, 8, 1, 1, 1).to(
+        memory_format=torch.channels_last_3d)) == torch.channels_last_3d

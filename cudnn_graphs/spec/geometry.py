@@ -163,6 +163,20 @@ def packed_strides(dims: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def strides_like_channels_last(dims: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """torch's reading of a 4-d / 5-d tensor's strides (c10's is_channels_last_strides_2d / _3d, step for
+    step): the strides grow along C, W, H(, D), N. It decides the cases packed both ways (one channel,
+    spatial dims of 1) by the strides given to the size-1 dims."""
+    if len(dims) not in (4, 5) or strides[1] == 0:
+        return False
+    bound = 0
+    for d in (1, *range(len(dims) - 1, 1, -1), 0):
+        if dims[d] == 0 or strides[d] < bound or (d == 0 and bound == strides[1]):
+            return False
+        bound = strides[d] * dims[d] if dims[d] > 1 else strides[d]
+    return True
+
+
 def explicit_strides(value: Any, roles: Mapping[str, int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Validate {role: strides}; roles maps each allowed role to its rank. Canonical: sorted pairs."""
     if value is None:

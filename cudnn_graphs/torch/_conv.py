@@ -33,8 +33,9 @@ from gpu_launch.streams import capture_probe
 
 from .. import api
 from .. import requests as _requests
-from ..errors import UnsupportedGraphError
+from ..errors import ShapeError, UnsupportedGraphError
 from ..plan import default_session
+from ..spec.geometry import strides_like_channels_last
 from ._activations import torch_activation
 
 __all__ = ["conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d"]
@@ -56,12 +57,20 @@ _lib.define("conv_bwd_filter(Tensor x, Tensor dy, SymInt[] w_shape, int[] stride
 # -- layouts: the fake kernels and the real ones agree on every output's strides ----------------------
 
 def _memory_format(t: torch.Tensor) -> torch.memory_format:
-    """channels_last(_3d) where `t` is packed that way and not also plain contiguous, as torch suggests."""
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
+    """torch's `suggest_memory_format`: channels_last(_3d) where `t`'s strides order it that way, the
+    cases packed both ways decided by the strides of the size-1 dims, as torch does."""
+    if not strides_like_channels_last(t.shape, t.stride()):
+        return torch.contiguous_format
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+
+
+def _conv_format(x: torch.Tensor, w: torch.Tensor) -> torch.memory_format:
+    """The layout torch's cuDNN conv gives its output (cudnn_conv_suggest_memory_format): channels_last
+    where the input or the weight suggests it, contiguous for float64."""
+    if x.dtype == torch.float64:
+        return torch.contiguous_format
+    fmt = _memory_format(x)
+    return fmt if fmt != torch.contiguous_format or w.dim() != x.dim() else _memory_format(w)
 
 
 def _packed(t: torch.Tensor | None, fmt: torch.memory_format) -> torch.Tensor | None:
@@ -80,6 +89,30 @@ def _out_shape(x_shape: Sequence[int], k: int, w_spatial: Sequence[int], stride,
 
 def _pairs(padding: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple((padding[i], padding[i + 1]) for i in range(0, len(padding), 2))
+
+
+def _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups) -> None:
+    """What torch's check_shape_forward checks, as a ShapeError (also a RuntimeError, as torch's)
+    naming the tensor: run once per new geometry, never per call."""
+    if w.dim() != x.dim():
+        raise ShapeError("input", tuple(x.shape), f"expected {w.dim()}-dimensional input for "
+                         f"{w.dim()}-dimensional weight {list(w.shape)}, but got {x.dim()}-dimensional input")
+    if w.shape[0] % groups:
+        raise ShapeError("weight", tuple(w.shape), f"with groups={groups}, expected weight.shape[0] divisible by {groups}")
+    if x.shape[1] != w.shape[1] * groups:
+        raise ShapeError("input", tuple(x.shape), f"given groups={groups}, weight of size {list(w.shape)}, expected "
+                         f"input to have {w.shape[1] * groups} channels, but got {x.shape[1]} channels instead")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.shape[0]):
+        raise ShapeError("bias", tuple(bias.shape), f"given weight of size {list(w.shape)}, expected bias to be "
+                         f"1-dimensional with {w.shape[0]} elements")
+    padded = [i + padding[2 * d] + padding[2 * d + 1] for d, i in enumerate(x.shape[2:])]
+    kernel = [dilation[d] * (k - 1) + 1 for d, k in enumerate(w.shape[2:])]
+    if any(p < k for p, k in zip(padded, kernel)):
+        raise ShapeError("input", tuple(x.shape), f"calculated padded input size per channel {tuple(padded)} is "
+                         f"smaller than the (dilated) kernel {tuple(kernel)}")
+    if z is not None and list(z.shape) != _out_shape(x.shape, w.shape[0], w.shape[2:], stride, padding, dilation):
+        raise ShapeError("residual", tuple(z.shape), "expected the conv's output shape "
+                         f"{tuple(_out_shape(x.shape, w.shape[0], w.shape[2:], stride, padding, dilation))}")
 
 
 # -- when torch's own convolution serves ---------------------------------------------------------------
@@ -140,13 +173,15 @@ def _bwd_params(stride: tuple, padding: tuple, dilation: tuple, groups: int, all
 # -- the op kernels ------------------------------------------------------------------------------------
 
 def _conv_fwd_cuda(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
+    _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups)
     if _ours(x, w, bias, z):
-        fmt = _memory_format(x)
+        fmt = _conv_format(x, w)
         x, z = _packed(x, fmt), _packed(z, fmt)
         params = _params(tuple(stride), tuple(padding), tuple(dilation), groups, activation, act_param, beta,
                          z is not None, torch._C._get_cudnn_allow_tf32())
         try:
-            y = api.conv_fwd(x, _packed(w, _memory_format(w)), bias, z=z, session=_session(x.get_device()), **params)
+            # the weight in the input's layout, as torch hands cuDNN: one layout has engines everywhere
+            y = api.conv_fwd(x, _packed(w, fmt), bias, z=z, session=_session(x.get_device()), **params)
             return _packed(y, fmt)
         except UnsupportedGraphError as err:
             _declined_once(f"conv_fwd {tuple(x.shape)} x {tuple(w.shape)}", err)
@@ -154,6 +189,7 @@ def _conv_fwd_cuda(x, w, bias, z, stride, padding, dilation, groups, activation,
 
 
 def _conv_fwd_torch(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
+    _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups)  # CPU raises as CUDA does
     y = _torch_conv(x, w, bias, stride, padding, dilation, groups)
     if z is not None:
         y = y + beta * z
@@ -248,8 +284,9 @@ for _name, _cuda, _cpu in (("conv_fwd", _conv_fwd_op, _conv_fwd_torch),
 
 @torch.library.register_fake("cudnn_graphs::conv_fwd")
 def _conv_fwd_fake(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
+    _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups)
     shape = _out_shape(x.shape, w.shape[0], w.shape[2:], stride, padding, dilation)
-    return x.new_empty(shape).contiguous(memory_format=_memory_format(x))
+    return x.new_empty(shape).contiguous(memory_format=_conv_format(x, w))
 
 
 @torch.library.register_fake("cudnn_graphs::conv_bwd_data")
@@ -408,9 +445,9 @@ def _fwd_eager(cfg: _Config, x, w, bias, z):
     key = (_geometry(x), _geometry(w), _geometry(bias), _geometry(z), _flags())
     call = cfg.fwd.get(key)
     if call is None:
-        fmt = _memory_format(x)
-        packed = all(t is None or t.is_contiguous(memory_format=f)
-                     for t, f in ((x, fmt), (z, fmt), (w, _memory_format(w))))
+        _check_fwd_shapes(x, w, bias, z, cfg.stride, cfg.padding, cfg.dilation, cfg.groups)
+        fmt = _conv_format(x, w)
+        packed = all(t is None or t.is_contiguous(memory_format=fmt) for t in (x, z, w))
         call = _prepared(cfg.fwd, key, _requests.ConvFwdRequest, (x, w, bias, z, None),
                          cfg.fwd_params(z is not None, key[-1][0]), (), packed,
                          f"conv_fwd {tuple(x.shape)} x {tuple(w.shape)}")
@@ -621,9 +658,20 @@ def _function(x, w, bias, z, cfg: _Config):
 # -- the functional API --------------------------------------------------------------------------------
 
 def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta):
+    if input.dim() != nd + 2:  # torch's convs also take one sample without its batch dim
+        return _unbatched(nd, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta)
     kernel = weight.shape[2:] if isinstance(padding, str) else ()  # only 'same' reads the kernel's size
     return _run(_config(nd, stride, padding, dilation, groups, activation, beta, kernel), input, weight, bias,
                 residual)
+
+
+def _unbatched(nd: int, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta):
+    if input.dim() != nd + 1:
+        raise ShapeError("input", tuple(input.shape),
+                         f"expected {nd + 1}D (unbatched) or {nd + 2}D (batched) input to conv{nd}d")
+    z = None if residual is None else residual.unsqueeze(0)
+    y = _conv(nd, input.unsqueeze(0), weight, bias, stride, padding, dilation, groups, activation, z, beta)
+    return y.squeeze(0)
 
 
 def _run(cfg: _Config, x, w, bias, z):
@@ -719,11 +767,16 @@ class _ConvMixin:
         self.activation = as_activation("activation", activation)
 
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._conv_forward(input, self.weight, self.bias, residual)
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        # torch's own hook, which subclasses (weight standardisation, LoRA ...) call with their weight
         padding = self.padding
         if self.padding_mode != "zeros":  # torch pads with the mode first, then convolves unpadded
             input = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
-        return _conv(self._nd, input, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
+        return _conv(self._nd, input, weight, bias, self.stride, padding, self.dilation, self.groups,
                      self.activation, residual, 1.0)
 
     def extra_repr(self) -> str:
