@@ -188,3 +188,14 @@ def test_output_layout_follows_torchs_cudnn_rule():
     assert _conv_format(gray, torch.empty(4, 1, 3, 3)) == torch.contiguous_format
     assert _conv_format(torch.empty(2, 8, 3, 4, 5), torch.empty(4, 8, 1, 1, 1).to(
         memory_format=torch.channels_last_3d)) == torch.channels_last_3d
+
+
+def test_integer_likes_torch_accepts_are_accepted():
+    np = pytest.importorskip("numpy")
+    x, w = torch.randn(2, 4, 9, 9, dtype=torch.float64), torch.randn(6, 2, 3, 3, dtype=torch.float64)
+    kwargs = dict(stride=(np.int32(2), 1), padding=np.int64(1), dilation=torch.Size([1, 2]), groups=np.int64(2))
+    torch.testing.assert_close(cgt.conv2d(x, w, **kwargs), F.conv2d(x, w, **kwargs))
+    ours = cgt.Conv2d(4, 6, 3, stride=np.int64(2), padding=np.int64(1)).double()  # torch's _pair keeps numpy ints
+    torch.testing.assert_close(ours(x), F.conv2d(x, ours.weight, ours.bias, stride=2, padding=1))
+    with pytest.raises(ValueError, match="stride=2.0"):
+        cgt.conv2d(x, w, stride=2.0, groups=2)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +35,7 @@ from gpu_launch.streams import capture_probe
 
 from .. import api
 from .. import requests as _requests
-from ..errors import ShapeError, UnsupportedGraphError
+from ..errors import ShapeError, SpecError, UnsupportedGraphError
 from ..plan import default_session
 from ..spec.geometry import strides_like_channels_last
 from ._activations import torch_activation
@@ -358,11 +360,12 @@ def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel
     act = as_activation("activation", activation)
     stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
     flat = _flat_padding(padding, nd, stride, dilation, kernel)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"groups={groups!r}: expected an int >= 1")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise ValueError(f"beta={beta!r}: expected a number")
-    return _canonical(tuple(stride), tuple(flat), tuple(dilation), groups, act, float(beta))
+    count = _as_int(groups)
+    if count is None or count < 1:
+        raise SpecError("groups", groups, "expected an int >= 1")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise SpecError("beta", beta, "expected a number")
+    return _canonical(tuple(stride), tuple(flat), tuple(dilation), count, act, float(beta))
 
 
 # typed: 2 and 2.0 hash alike, but only the int passed the checks
@@ -711,12 +714,27 @@ def _autocast(tensors: tuple, dtype: torch.dtype) -> tuple:
     return tuple(t if t is None or t.dtype is dtype or t.dtype not in _CASTABLE else t.to(dtype) for t in tensors)
 
 
+def _as_int(value: Any) -> int | None:
+    """An integer as torch's argument parser takes one (numpy's too), else None; bools are not."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int = 1) -> list[int]:
-    values = [value] * nd if isinstance(value, int) else list(value)
-    if len(values) == 1:
-        values = values * nd
-    if len(values) != nd or not all(isinstance(v, int) and v >= minimum for v in values):
-        raise ValueError(f"{name}={value!r}: expected an int >= {minimum} or {nd} of them")
+    single = _as_int(value)
+    if single is not None:
+        values = [single] * nd
+    elif isinstance(value, (tuple, list)):  # torch.Size is a tuple
+        values = [_as_int(v) for v in value]
+        values = values * nd if len(values) == 1 else values
+    else:
+        values = []
+    if len(values) != nd or not all(v is not None and v >= minimum for v in values):
+        raise SpecError(name, value, f"expected an int >= {minimum} or {nd} of them")
     return values
 
 
@@ -726,9 +744,9 @@ def _flat_padding(padding: Any, nd: int, stride: list[int], dilation: list[int],
         if padding == "valid":
             return [0] * (2 * nd)
         if padding != "same":
-            raise ValueError(f"padding={padding!r}: expected 'valid', 'same', an int or a tuple")
+            raise SpecError("padding", padding, "expected 'valid', 'same', an int or a tuple")
         if any(s != 1 for s in stride):
-            raise ValueError("padding='same' is not supported for strided convolutions")
+            raise SpecError("padding", padding, f"'same' is not supported for strided convolutions (stride={stride})")
         out = []
         for d, k in zip(dilation, kernel):
             total = d * (int(k) - 1)
