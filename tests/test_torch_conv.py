@@ -199,3 +199,26 @@ def test_integer_likes_torch_accepts_are_accepted():
     torch.testing.assert_close(ours(x), F.conv2d(x, ours.weight, ours.bias, stride=2, padding=1))
     with pytest.raises(ValueError, match="stride=2.0"):
         cgt.conv2d(x, w, stride=2.0, groups=2)
+
+
+def test_torch_compile_fullgraph_traces_the_registered_op_without_graph_breaks():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = cgt.Conv2d(4, 8, 3, padding="same", activation="gelu")  # gelu: pre-activation path
+            self.b = cgt.Conv2d(8, 8, 3, padding=1, stride=(2, 1), activation="relu")
+
+        def forward(self, x, z):
+            return self.b(self.a(x), residual=z).sum()
+
+    torch.manual_seed(0)
+    model = Block().double()
+    x, z = torch.randn(2, 4, 10, 10, dtype=torch.float64), torch.randn(2, 8, 5, 10, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got, want = compiled(x, z), model(x, z)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, model.a.weight)[0], torch.autograd.grad(want, model.a.weight)[0])
+    cgt.conv2d(x, model.a.weight, padding=2, dilation=2)  # a new config eagerly: the compiled graph stays valid
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(x, z), want)

@@ -348,8 +348,6 @@ def _config(nd: int, stride: Any, padding: Any, dilation: Any, groups: Any, acti
             kernel: Sequence[int]) -> _Config:
     """The config of a call's arguments (torch's spellings: ints, tuples, lists, 'same' / 'valid'),
     checked with errors naming the argument; repeated arguments cost one cache lookup."""
-    if torch.compiler.is_compiling():  # dynamo traces the normalisation (and warns about lru_cache wrappers)
-        return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
     try:
         return _config_cached(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
     except TypeError:  # an unhashable spelling (a list): normalised each call, one shared config all the same
@@ -357,6 +355,11 @@ def _config(nd: int, stride: Any, padding: Any, dilation: Any, groups: Any, acti
 
 
 def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel) -> _Config:
+    return _canonical(*_normalise(nd, stride, padding, dilation, groups, activation, beta, kernel))
+
+
+def _normalise(nd, stride, padding, dilation, groups, activation, beta, kernel) -> tuple:
+    """(stride, flat padding, dilation, groups, Activation, beta), checked, as tuples of ints."""
     act = as_activation("activation", activation)
     stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
     flat = _flat_padding(padding, nd, stride, dilation, kernel)
@@ -365,7 +368,7 @@ def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel
         raise SpecError("groups", groups, "expected an int >= 1")
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise SpecError("beta", beta, "expected a number")
-    return _canonical(tuple(stride), tuple(flat), tuple(dilation), count, act, float(beta))
+    return tuple(stride), tuple(flat), tuple(dilation), count, act, float(beta)
 
 
 # typed: 2 and 2.0 hash alike, but only the int passed the checks
@@ -664,6 +667,9 @@ def _conv(nd: int, input, weight, bias, stride, padding, dilation, groups, activ
     if input.dim() != nd + 2:  # torch's convs also take one sample without its batch dim
         return _unbatched(nd, input, weight, bias, stride, padding, dilation, groups, activation, residual, beta)
     kernel = weight.shape[2:] if isinstance(padding, str) else ()  # only 'same' reads the kernel's size
+    if torch.compiler.is_compiling():
+        return _traced(input, weight, bias, residual,
+                       *_normalise(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel)))
     return _run(_config(nd, stride, padding, dilation, groups, activation, beta, kernel), input, weight, bias,
                 residual)
 
@@ -678,23 +684,38 @@ def _unbatched(nd: int, input, weight, bias, stride, padding, dilation, groups, 
 
 
 def _run(cfg: _Config, x, w, bias, z):
-    """act(conv(x, w) + bias + beta * z) through the registered op (compiling), our autograd Function
-    (a gradient is needed) or straight to the kernels."""
+    """act(conv(x, w) + bias + beta * z) eagerly: our autograd Function where a gradient is needed,
+    else straight to the kernels."""
+    x, w, bias, z = _in_autocast_dtype(x, w, bias, z)
+    if not _wants_grad(x, w, bias, z):
+        return _fwd_eager(cfg, x, w, bias, z)
+    conv = cfg.pre if cfg.pre is not None else cfg  # the backward needs the pre-activation: keep it
+    y = _function(x, w, bias, z, conv)
+    return y if conv is cfg else cfg.activate(y)
+
+
+def _traced(x, w, bias, z, stride, padding, dilation, groups, act, beta):
+    """What torch.compile traces: the registered op on normalised arguments. No config tables or memos
+    (dynamo would guard on their contents and recompile as they grow)."""
+    x, w, bias, z = _in_autocast_dtype(x, w, bias, z)
+    pre = _wants_grad(x, w, bias, z) and not _derivative_from_output(act)
+    name, param = ("identity", 0.0) if pre else (act.name, 0.0 if act.param is None else act.param)
+    y = torch.ops.cudnn_graphs.conv_fwd(x, w, bias, z, list(stride), list(padding), list(dilation), groups, name,
+                                        param, beta)
+    return torch_activation(act.name, act.param)(y) if pre else y
+
+
+def _in_autocast_dtype(x, w, bias, z) -> tuple:
     if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as torch's conv: run in the autocast dtype
         # (as their own autograd nodes: casting inside our Function would cut the casts out of a double
         # backward's graph)
-        x, w, bias, z = _autocast((x, w, bias, z), torch.get_autocast_dtype("cuda"))
-    grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
-                                         or (z is not None and z.requires_grad))
-    compiling = torch.compiler.is_compiling()
-    if not (grads or compiling):
-        return _fwd_eager(cfg, x, w, bias, z)
-    conv = cfg.pre if grads and cfg.pre is not None else cfg  # the backward needs the pre-activation: keep it
-    if compiling:
-        y = torch.ops.cudnn_graphs.conv_fwd(x, w, bias, z, *conv.flat, *conv.op_act)
-    else:
-        y = _function(x, w, bias, z, conv)
-    return y if conv is cfg else cfg.activate(y)
+        return _autocast((x, w, bias, z), torch.get_autocast_dtype("cuda"))
+    return x, w, bias, z
+
+
+def _wants_grad(x, w, bias, z) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)
+                                        or (z is not None and z.requires_grad))
 
 
 def _derivative_from_output(act: Activation) -> bool:
