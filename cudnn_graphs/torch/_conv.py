@@ -739,10 +739,10 @@ def _as_int(value: Any) -> int | None:
     """An integer as torch's argument parser takes one (numpy's too), else None; bools are not."""
     if isinstance(value, bool):
         return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
+    if isinstance(value, int):
+        return value
+    # no try/except: dynamo (torch 2.11) cannot trace a TypeError raised by operator.index
+    return operator.index(value) if hasattr(type(value), "__index__") else None
 
 
 def _per_dim(name: str, value: Any, nd: int, *, minimum: int = 1) -> list[int]:
