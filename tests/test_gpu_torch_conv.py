@@ -330,3 +330,15 @@ def test_output_layout_and_values_follow_torch_for_mixed_layouts(x_shape, w_shap
         assert y.stride() == want.stride(), (y.stride(), want.stride())
         assert ref.rel_err(y, conv(x.double(), w.double(), padding=w_shape[-1] // 2)) < 2 * TOL[dtype]
     assert not _conv._declined
+
+
+def test_torch_func_per_sample_gradients_on_cuda():
+    x = torch.randn(4, 8, 9, 9, device="cuda", dtype=torch.float64)
+    w = torch.randn(6, 8, 3, 3, device="cuda", dtype=torch.float64)
+
+    def per_sample(conv):
+        loss = lambda w, xi: conv(xi[None], w, padding=1, stride=2).tanh().sum()  # noqa: E731
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
+
+    assert ref.rel_err(per_sample(cgt.conv2d), per_sample(F.conv2d)) < 1e-12
+    assert ref.rel_err(torch.func.vmap(lambda xi: cgt.conv2d(xi, w, padding=1))(x), F.conv2d(x, w, padding=1)) < 1e-12

@@ -222,3 +222,35 @@ def test_torch_compile_fullgraph_traces_the_registered_op_without_graph_breaks()
     cgt.conv2d(x, model.a.weight, padding=2, dilation=2)  # a new config eagerly: the compiled graph stays valid
     with torch._dynamo.config.patch(error_on_recompile=True):
         torch.testing.assert_close(compiled(x, z), want)
+
+
+def test_torch_func_transforms_run_through_torchs_conv():
+    """grad, vmap, per-sample gradients (vmap of grad), jacrev and functional_call: what torch's conv does."""
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 4, 8, 8, dtype=torch.float64), torch.randn(6, 4, 3, 3, dtype=torch.float64)
+
+    def results(conv):
+        return (torch.func.grad(lambda w: conv(x, w, padding=1).square().sum())(w),
+                torch.func.vmap(lambda xi: conv(xi, w, padding=1))(x),  # unbatched samples under vmap
+                torch.func.vmap(torch.func.grad(lambda w, xi: conv(xi[None], w, padding=1).tanh().sum()),
+                                in_dims=(None, 0))(w, x),
+                torch.func.jacrev(lambda xx: conv(xx, w, padding=1).sum((2, 3)))(x[:1]))
+
+    for got, want in zip(results(cgt.conv2d), results(F.conv2d)):
+        torch.testing.assert_close(got, want)
+    ours = cgt.Conv2d(4, 6, 3, padding=1, padding_mode="reflect", activation="relu").double()
+    theirs = torch.nn.Sequential(torch.nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"), torch.nn.ReLU()).double()
+    theirs[0].load_state_dict(ours.state_dict())
+    got = torch.func.grad(lambda p: torch.func.functional_call(ours, p, (x,)).sum())(dict(ours.named_parameters()))
+    want = torch.func.grad(lambda p: torch.func.functional_call(theirs, p, (x,)).sum())(dict(theirs.named_parameters()))
+    torch.testing.assert_close(got["weight"], want["0.weight"])
+    torch.testing.assert_close(got["bias"], want["0.bias"])
+
+
+def test_torch_export_keeps_the_registered_op():
+    model = torch.nn.Sequential(cgt.Conv2d(4, 6, 3, padding=1, activation="relu"), cgt.Conv2d(6, 6, 2, padding="same"))
+    x = torch.randn(2, 4, 8, 8)
+    program = torch.export.export(model.eval(), (x,))
+    ops = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.cudnn_graphs.conv_fwd.default] * 2
+    torch.testing.assert_close(program.module()(x), model(x))

@@ -655,7 +655,7 @@ _unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", None)
 
 
 def _function(x, w, bias, z, cfg: _Config):
-    if _unwrap_if_dead is None or torch._C._are_functorch_transforms_active():
+    if _unwrap_if_dead is None:
         return _ConvFunction.apply(x, w, bias, z, cfg)
     return _apply_c(_unwrap_if_dead(x), _unwrap_if_dead(w), None if bias is None else _unwrap_if_dead(bias),
                     None if z is None else _unwrap_if_dead(z), cfg)
@@ -686,6 +686,8 @@ def _unbatched(nd: int, input, weight, bias, stride, padding, dilation, groups, 
 def _run(cfg: _Config, x, w, bias, z):
     """act(conv(x, w) + bias + beta * z) eagerly: our autograd Function where a gradient is needed,
     else straight to the kernels."""
+    if torch._C._are_functorch_transforms_active():  # torch.func (grad, vmap, jacrev ...): torch's conv,
+        return _conv_fwd_torch(x, w, bias, z, *cfg.flat, *cfg.op_act)  # which every transform knows
     x, w, bias, z = _in_autocast_dtype(x, w, bias, z)
     if not _wants_grad(x, w, bias, z):
         return _fwd_eager(cfg, x, w, bias, z)
