@@ -254,3 +254,14 @@ def test_torch_export_keeps_the_registered_op():
     ops = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert ops == [torch.ops.cudnn_graphs.conv_fwd.default] * 2
     torch.testing.assert_close(program.module()(x), model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_autocast_runs_in_its_dtype_as_torchs_conv(dtype):
+    x, w, b = torch.randn(2, 4, 8, 8), torch.randn(6, 4, 3, 3), torch.randn(6)
+    with torch.autocast("cpu", dtype=dtype):
+        want = F.conv2d(x, w, b, padding=1)
+        got = cgt.conv2d(x, w, b, padding=1)
+        module = cgt.Conv2d(4, 6, 3)(x)
+    assert got.dtype == want.dtype == module.dtype == dtype
+    torch.testing.assert_close(got, want)

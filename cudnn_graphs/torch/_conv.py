@@ -708,10 +708,13 @@ def _traced(x, w, bias, z, stride, padding, dilation, groups, act, beta):
 
 
 def _in_autocast_dtype(x, w, bias, z) -> tuple:
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):  # as torch's conv: run in the autocast dtype
-        # (as their own autograd nodes: casting inside our Function would cut the casts out of a double
-        # backward's graph)
-        return _autocast((x, w, bias, z), torch.get_autocast_dtype("cuda"))
+    """As torch's conv: in the autocast dtype of the input's device where autocast is on (cast as their
+    own autograd nodes: casting inside our Function would cut the casts out of a double backward)."""
+    if x.is_cuda:
+        if torch.is_autocast_enabled("cuda"):
+            return _autocast((x, w, bias, z), torch.get_autocast_dtype("cuda"))
+    elif torch.is_autocast_enabled(x.device.type):  # CPU autocast (bfloat16) as well
+        return _autocast((x, w, bias, z), torch.get_autocast_dtype(x.device.type))
     return x, w, bias, z
 
 
