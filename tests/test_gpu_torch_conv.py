@@ -342,3 +342,61 @@ def test_torch_func_per_sample_gradients_on_cuda():
 
     assert ref.rel_err(per_sample(cgt.conv2d), per_sample(F.conv2d)) < 1e-12
     assert ref.rel_err(torch.func.vmap(lambda xi: cgt.conv2d(xi, w, padding=1))(x), F.conv2d(x, w, padding=1)) < 1e-12
+
+
+def _odd_cases(n: int, seed: int = 17) -> list[dict]:
+    """Odd module configurations: few or prime channel counts, groups, every kernel size to 7, strides
+    to 3, dilation, asymmetric and string padding, non-zero padding modes, 1d / 2d / 3d."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < n:
+        nd = rng.choice([1, 2, 2, 2, 3])
+        groups = rng.choice([1, 1, 1, 2, 3])
+        cin, cout = groups * rng.choice([1, 2, 3, 5, 8]), groups * rng.choice([1, 3, 4, 7])
+        kernel = tuple(rng.choice([1, 2, 3, 5, 7] if nd < 3 else [1, 2, 3]) for _ in range(nd))
+        stride = tuple(rng.choice([1, 1, 2, 3]) for _ in range(nd))
+        dilation = tuple(rng.choice([1, 1, 2]) for _ in range(nd))
+        padding = rng.choice(["same", "valid", 0, 1, tuple(rng.choice([0, 1, 2]) for _ in range(nd))])
+        if padding == "same" and any(s != 1 for s in stride):
+            padding = 1
+        mode = rng.choice(["zeros", "zeros", "reflect", "circular", "replicate"]) if padding not in ("valid", 0) else "zeros"
+        size = tuple(rng.choice([5, 7, 9, 12, 16]) + (k - 1) * d for k, d in zip(kernel, dilation))
+        cases.append(dict(nd=nd, cin=cin, cout=cout, kernel=kernel, stride=stride, dilation=dilation, padding=padding,
+                          groups=groups, bias=rng.random() < 0.7, padding_mode=mode, size=size,
+                          batch=rng.choice([1, 2, 3]), dtype=rng.choice(["float16", "bfloat16", "float32"]),
+                          channels_last=rng.random() < 0.5))
+    return cases
+
+
+@pytest.mark.parametrize("case", _odd_cases(40), ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_odd_module_configurations_match_torch(case):
+    """Forward and every gradient against torch in float64 (torch's convolution serving a graph cuDNN
+    declines is allowed: the values must match either way)."""
+    case = dict(case)
+    nd, dtype = case.pop("nd"), getattr(torch, case.pop("dtype"))
+    cin, cout, kernel, size, batch = case.pop("cin"), case.pop("cout"), case.pop("kernel"), case.pop("size"), case.pop("batch")
+    channels_last = case.pop("channels_last") and nd > 1
+    theirs = THEIRS[nd](cin, cout, kernel, **case).to("cuda", torch.float64)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(p.to(dtype).double())
+    ours = OURS[nd](cin, cout, kernel, **case).to("cuda", dtype)
+    ours.load_state_dict({k: t.to(dtype) for k, t in theirs.state_dict().items()})
+    x = torch.randn(batch, cin, *size, device="cuda", dtype=torch.float64).to(dtype)
+    if channels_last:
+        fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
+        x, ours = x.contiguous(memory_format=fmt), ours.to(memory_format=fmt)
+    xo, xd = x.detach().requires_grad_(True), x.detach().double().requires_grad_(True)
+    y, want = ours(xo), theirs(xd)
+    assert y.shape == want.shape and y.dtype == dtype
+    tol = 2 * TOL[dtype]
+    assert ref.rel_err(y, want) < tol, "forward"
+    gy = torch.randn_like(want).to(dtype)
+    y.backward(gy)
+    want.backward(gy.double())
+    assert ref.rel_err(xo.grad, xd.grad) < tol, "input gradient"
+    assert ref.rel_err(ours.weight.grad, theirs.weight.grad) < tol, "weight gradient"
+    if theirs.bias is not None:
+        assert ref.rel_err(ours.bias.grad, theirs.bias.grad) < tol, "bias gradient"
