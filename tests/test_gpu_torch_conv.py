@@ -29,7 +29,7 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32 = saved
 
 
-def _pair(nd, cin, cout, k, dtype, channels_last, **kwargs):
+def _pair(nd, cin, cout, k, dtype, channels_last, *, spatial=None, batch=3, **kwargs):
     """Our module in `dtype` and torch's in float64 with the same (dtype-rounded) state, and an input
     for each: the reference sees exactly the values ours does."""
     theirs = THEIRS[nd](cin, cout, k, **kwargs).to("cuda", torch.float64)
@@ -38,8 +38,8 @@ def _pair(nd, cin, cout, k, dtype, channels_last, **kwargs):
             p.copy_(p.to(dtype).double())
     ours = OURS[nd](cin, cout, k, **kwargs).to("cuda", dtype)
     ours.load_state_dict({name: t.to(dtype) for name, t in theirs.state_dict().items()})
-    spatial = {1: (19,), 2: (11, 13), 3: (7, 6, 5)}[nd]
-    x_ours = torch.randn(3, cin, *spatial, device="cuda", dtype=torch.float64).to(dtype)
+    spatial = spatial or {1: (19,), 2: (11, 13), 3: (7, 6, 5)}[nd]
+    x_ours = torch.randn(batch, cin, *spatial, device="cuda", dtype=torch.float64).to(dtype)
     fmt = {2: torch.channels_last, 3: torch.channels_last_3d}.get(nd) if channels_last else None
     if fmt is not None:
         x_ours, ours = x_ours.contiguous(memory_format=fmt), ours.to(memory_format=fmt)
@@ -376,18 +376,9 @@ def test_odd_module_configurations_match_torch(case):
     declines is allowed: the values must match either way)."""
     case = dict(case)
     nd, dtype = case.pop("nd"), getattr(torch, case.pop("dtype"))
-    cin, cout, kernel, size, batch = case.pop("cin"), case.pop("cout"), case.pop("kernel"), case.pop("size"), case.pop("batch")
-    channels_last = case.pop("channels_last") and nd > 1
-    theirs = THEIRS[nd](cin, cout, kernel, **case).to("cuda", torch.float64)
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.copy_(p.to(dtype).double())
-    ours = OURS[nd](cin, cout, kernel, **case).to("cuda", dtype)
-    ours.load_state_dict({k: t.to(dtype) for k, t in theirs.state_dict().items()})
-    x = torch.randn(batch, cin, *size, device="cuda", dtype=torch.float64).to(dtype)
-    if channels_last:
-        fmt = torch.channels_last if nd == 2 else torch.channels_last_3d
-        x, ours = x.contiguous(memory_format=fmt), ours.to(memory_format=fmt)
+    cin, cout, kernel = case.pop("cin"), case.pop("cout"), case.pop("kernel")
+    ours, theirs, x, _ = _pair(nd, cin, cout, kernel, dtype, case.pop("channels_last"), spatial=case.pop("size"),
+                               batch=case.pop("batch"), **case)
     xo, xd = x.detach().requires_grad_(True), x.detach().double().requires_grad_(True)
     y, want = ours(xo), theirs(xd)
     assert y.shape == want.shape and y.dtype == dtype
