@@ -93,3 +93,25 @@ def test_torchvision_models_convert():
         assert len(report.replaced) == convs and not report.kept, build.__name__
         assert report.folded_batchnorm, build.__name__
         torch.testing.assert_close(net(x), want)
+
+
+def test_parametrized_and_shared_convs_are_converted_and_stay_what_they_were():
+    import copy
+
+    torch.manual_seed(2)
+    shared = nn.Conv2d(6, 6, 3, padding=1)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(4, 6, 3, padding=1)), nn.ReLU(),
+                          shared, nn.ReLU(), shared)
+    x = torch.randn(2, 4, 9, 9)
+    want = model(x)
+    cgt.convert(model)
+    assert model.cudnn_graphs_report.replaced == ["0", "2"] and not model.cudnn_graphs_report.kept
+    assert isinstance(model[0], cgt.Conv2d) and nn.utils.parametrize.is_parametrized(model[0], "weight")
+    assert model[2] is model[4] and isinstance(model[4], cgt.Conv2d)  # one module, as before
+    torch.testing.assert_close(model(x), want)
+    model(x).sum().backward()
+    assert model[0].parametrizations.weight.original1.grad is not None
+    torch.testing.assert_close(copy.deepcopy(model)(x), want)
+    nn.utils.parametrize.remove_parametrizations(model[0], "weight")
+    assert type(model[0]) is cgt.Conv2d
+    torch.testing.assert_close(model(x), want)

@@ -4,7 +4,9 @@
     model = cudnn_graphs.torch.convert(model.eval(), inference=True)  # BatchNorm folded, epilogues fused
     print(model.cudnn_graphs_report)
 
-Training: each conv keeps its Parameter objects (an optimizer made before still steps them).
+Training: each conv keeps its Parameter objects (an optimizer made before still steps them); a conv
+used in two places stays one module, and one under torch.nn.utils.parametrize (weight_norm ...) keeps
+its parametrizations.
 Inference (eval mode): a BatchNorm right after a conv, in an nn.Sequential or in torchvision's
 ResNet blocks, is folded into the conv's weight and bias (new tensors: the report says "copied"),
 a following activation becomes the conv's fused epilogue, and in torchvision's BasicBlock and
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gpu_launch.activations import Activation
 
@@ -66,21 +69,40 @@ def convert(model: nn.Module, *, inference: bool = False) -> nn.Module:
 
 # -- replacing the convolutions ------------------------------------------------------------------------
 
-def _replace(module: nn.Module, prefix: str, report: ConversionReport) -> None:
-    for name, child in list(module.named_children()):
+def _replace(module: nn.Module, prefix: str, report: ConversionReport, done: dict | None = None) -> None:
+    done = {} if done is None else done  # id(torch's conv) -> ours: a conv used twice stays one module
+    for name, child in list(module._modules.items()):  # every slot: named_children skips repeats
+        if child is None:
+            continue
         qualified = f"{prefix}{name}"
-        ours = _OURS.get(type(child))
-        if ours is not None:
-            setattr(module, name, _as_ours(child, ours))
+        ours = _ours_for(child)
+        if id(child) in done:
+            setattr(module, name, done[id(child)])
+        elif ours is not None:
+            done[id(child)] = new = _as_ours(child, ours)
+            setattr(module, name, new)
             report.replaced.append(qualified)
         elif isinstance(child, nn.modules.conv._ConvNd) and not isinstance(child, tuple(_OURS.values())):
             report.kept.append((qualified, _why_kept(child)))
         else:
-            _replace(child, qualified + ".", report)
+            _replace(child, qualified + ".", report, done)
+
+
+def _ours_for(conv: nn.Module) -> type | None:
+    """Our class for torch's Conv1d/2d/3d, also under torch.nn.utils.parametrize (weight_norm ...),
+    which puts each parametrized module in a class of its own derived from torch's."""
+    kind = type(conv)
+    if parametrize.is_parametrized(conv) and kind.__bases__[0] in _OURS:
+        return _OURS[kind.__bases__[0]]
+    return _OURS.get(kind)
 
 
 def _as_ours(conv: nn.Module, ours: type) -> nn.Module:
     """The same module state (the very Parameter objects, hooks, training flag) under our class."""
+    if parametrize.is_parametrized(conv):
+        # the same class parametrize made (its properties, getstate, deepcopy), derived from ours instead
+        namespace = {k: v for k, v in vars(type(conv)).items() if k not in ("__dict__", "__weakref__")}
+        ours = type(f"Parametrized{ours.__name__}", (ours,), namespace)
     new = ours.__new__(ours)
     new.__dict__.update(conv.__dict__)
     if "activation" not in new.__dict__:
