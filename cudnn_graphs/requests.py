@@ -101,7 +101,9 @@ class _ConvRequest:
         layouts = _layouts_of(info.shape, info.strides)
         if len(layouts) != 2:
             return layouts[0] if layouts else geometry.CHANNELS_FIRST
-        if info.dtype != "float64" and any(geometry.strides_like_channels_last(i.shape, i.strides) for i in self.infos.values()):
+        if info.dtype == "float64":
+            return geometry.CHANNELS_FIRST
+        if any(geometry.strides_like_channels_last(i.shape, i.strides) for i in self.infos.values()):
             return geometry.CHANNELS_LAST
         return geometry.CHANNELS_FIRST
 

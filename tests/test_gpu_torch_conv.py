@@ -361,7 +361,8 @@ def _odd_cases(n: int, seed: int = 17) -> list[dict]:
         padding = rng.choice(["same", "valid", 0, 1, tuple(rng.choice([0, 1, 2]) for _ in range(nd))])
         if padding == "same" and any(s != 1 for s in stride):
             padding = 1
-        mode = rng.choice(["zeros", "zeros", "reflect", "circular", "replicate"]) if padding not in ("valid", 0) else "zeros"
+        modes = ["zeros", "zeros", "reflect", "circular", "replicate"]
+        mode = rng.choice(modes) if padding not in ("valid", 0) else "zeros"
         size = tuple(rng.choice([5, 7, 9, 12, 16]) + (k - 1) * d for k, d in zip(kernel, dilation))
         cases.append(dict(nd=nd, cin=cin, cout=cout, kernel=kernel, stride=stride, dilation=dilation, padding=padding,
                           groups=groups, bias=rng.random() < 0.7, padding_mode=mode, size=size,

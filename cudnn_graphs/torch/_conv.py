@@ -100,7 +100,7 @@ def _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups) -> None:
         raise ShapeError("input", tuple(x.shape), f"expected {w.dim()}-dimensional input for "
                          f"{w.dim()}-dimensional weight {list(w.shape)}, but got {x.dim()}-dimensional input")
     if w.shape[0] % groups:
-        raise ShapeError("weight", tuple(w.shape), f"with groups={groups}, expected weight.shape[0] divisible by {groups}")
+        raise ShapeError("weight", tuple(w.shape), f"groups={groups}: expected weight.shape[0] divisible by it")
     if x.shape[1] != w.shape[1] * groups:
         raise ShapeError("input", tuple(x.shape), f"given groups={groups}, weight of size {list(w.shape)}, expected "
                          f"input to have {w.shape[1] * groups} channels, but got {x.shape[1]} channels instead")
