@@ -221,3 +221,38 @@ def test_clear_tracebacks_follows_causes_and_contexts_even_round_a_loop():
     second.__cause__, first.__context__ = first, second  # a loop no raise would make, but a caller can
     frontend.clear_tracebacks(second)
     assert first.__traceback__ is None and second.__traceback__ is None and str(second) == "second"
+
+
+# -- BatchNorm fusions: a scale-shift-relu prologue on the conv input, statistics of its output ------------
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@pytest.mark.parametrize("prologue, stats", [("scale_bias_relu", False), (None, True), ("scale_bias_relu", True)])
+def test_fwd_prologue_and_stats_validate(nd, prologue, stats):
+    x, w = _shapes(nd, 1)
+    spec = ConvFwdSpec(x, w, padding=1, dtype="float16", layout="channels_last", prologue=prologue, stats=stats)
+    part, = build_graph(spec).parts
+    nodes = _nodes(part)
+    assert (("prologue_scale", "MUL") in nodes and ("prologue_relu", "RELU_FWD") in nodes) == bool(prologue)
+    tensors = _tensors(part)
+    c, k = x[1], w[0]
+    if prologue:  # per input channel, in the io dtype; the conv reads the relu's output, never x itself
+        for role in ("scale", "shift"):
+            assert tensors[ROLE_UIDS[role]]["dim"] == [1, c] + [1] * max(2, nd)
+            assert tensors[ROLE_UIDS[role]]["data_type"] == "HALF"
+        conv = next(n for n in json.loads(repr(part.graph))["nodes"] if n["name"] == "conv")
+        assert conv["inputs"]["X"] != "x"
+    for role in ("sum", "sq_sum"):
+        assert (ROLE_UIDS[role] in tensors) == stats
+        if stats:
+            assert tensors[ROLE_UIDS[role]]["dim"] == [1, k] + [1] * max(2, nd)
+            assert tensors[ROLE_UIDS[role]]["data_type"] == "FLOAT"
+    assert set(part.roles) == set(spec.tensors())
+
+
+def test_wgrad_prologue_validates():
+    x, w = _shapes(2, 1)
+    spec = ConvBwdFilterSpec(x, (2, 8, 7, 7), w, padding=1, dtype="float16", layout="channels_last",
+                             prologue="scale_bias_relu")
+    part, = build_graph(spec).parts
+    assert ("prologue_relu", "RELU_FWD") in _nodes(part)
+    assert set(part.roles) == {"x", "dy", "scale", "shift", "dw"}

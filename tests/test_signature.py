@@ -13,7 +13,7 @@ import pytest
 
 import cudnn_graphs
 from cudnn_graphs import (ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, Environment, environment,
-                          signature)
+                          signature, spec_from_dict)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -116,6 +116,8 @@ SPEC_CHANGES = [
     ("fwd", "residual", {}, dict(residual=True)),
     ("fwd", "alpha", {}, dict(alpha=2.0)),
     ("fwd", "beta", dict(residual=True), dict(beta=0.5)),
+    ("fwd", "prologue", {}, dict(prologue="scale_bias_relu")),
+    ("fwd", "stats", {}, dict(stats=True)),
     ("bwd_data", "padding", {}, dict(padding=0, dy_shape=(2, 16, 14, 14))),
     ("bwd_data", "padding_asymmetric", {}, dict(padding=((1, 1), (2, 0)))),
     ("bwd_data", "stride", {}, dict(stride=2, dy_shape=(2, 16, 8, 8))),
@@ -146,6 +148,7 @@ SPEC_CHANGES = [
     ("bwd_filter", "dy_shape(+x_shape)", {}, dict(dy_shape=(4, 16, 16, 16), x_shape=(4, 8, 16, 16))),
     ("bwd_filter", "w_shape", {}, dict(w_shape=(32, 8, 3, 3), dy_shape=(2, 32, 16, 16))),
     ("bwd_filter", "bias_grad", {}, dict(bias_grad=True)),
+    ("bwd_filter", "prologue", {}, dict(prologue="scale_bias_relu")),
 ]
 
 
@@ -161,6 +164,16 @@ def test_signature_changes_with_each_spec_field(family, what, base_overrides, ch
     after = _build(family, {**base_overrides, **changes})
     assert before != after
     assert signature(before, fake_env) != signature(after, fake_env)
+
+
+def test_fields_added_later_leave_earlier_dict_forms_alone():
+    """prologue / stats at their defaults are not in the dict form: earlier specs keep their signatures."""
+    for family, (cls, base) in BASE.items():
+        data = cls(**base).to_dict()
+        assert "prologue" not in data and "stats" not in data
+        assert spec_from_dict(data) == cls(**base)
+    fused = ConvFwdSpec(**BASE["fwd"][1], prologue="scale_bias_relu", stats=True)
+    assert spec_from_dict(fused.to_dict()) == fused
 
 
 def test_spec_changes_cover_every_field():

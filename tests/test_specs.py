@@ -199,3 +199,21 @@ def test_spec_from_dict_rejects(data, field):
     with pytest.raises(SpecError) as err:
         spec_from_dict(data)
     assert err.value.field == field
+
+
+def test_prologue_and_stats_fields():
+    spec = ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=1, dtype="float16", prologue="scale_bias_relu", stats=True)
+    t = spec.tensors()
+    assert t["scale"] == t["shift"] == ((8,), (1,), "float16")  # per input channel, io dtype
+    assert t["sum"] == t["sq_sum"] == ((4,), (1,), "float32")  # per output channel
+    wgrad = ConvBwdFilterSpec((2, 8, 9, 9), (2, 4, 9, 9), (4, 8, 3, 3), padding=1, prologue="scale_bias_relu")
+    assert {"scale", "shift"} <= set(wgrad.tensors())
+    with pytest.raises(SpecError) as err:
+        ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), prologue="relu")
+    assert err.value.field == "prologue" and err.value.value == "relu"
+    with pytest.raises(SpecError) as err:
+        ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), stats="yes")
+    assert err.value.field == "stats"
+    with pytest.raises(SpecError, match="plain conv output") as err:  # the unfused epilogue has no statistics
+        ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), stats=True, bias=True)
+    assert err.value.field == "stats"

@@ -18,7 +18,7 @@ from .activations import activation_backward, activation_forward
 
 # Stable uids per tensor role: plans serialized by one version bind buffers in any later one.
 ROLE_UIDS = {"x": 1, "w": 2, "bias": 3, "z": 4, "y": 5, "dy": 6, "dx": 7, "dw": 8, "db": 9,
-             "pre_act": 10, "acc": 11}
+             "pre_act": 10, "acc": 11, "scale": 12, "shift": 13, "sum": 14, "sq_sum": 15}
 SCALAR_UID_BASE = 100
 
 
@@ -126,16 +126,27 @@ class _Builder:
         return self.graph.tensor(name=role, dim=dims, stride=strides,
                                  data_type=frontend.data_type(dtype), uid=ROLE_UIDS[role])
 
-    def output(self, tensor: Any, role: str, desc: TensorDesc | None = None, *, dims=None, strides=None) -> None:
+    def output(self, tensor: Any, role: str, desc: TensorDesc | None = None, *, dims=None, strides=None,
+               dtype: str | None = None) -> None:
         if desc is not None:
             dims, strides = cudnn_dims(desc)
             dtype = desc.dtype
         else:
-            dtype = self.spec.dtype
+            dtype = dtype or self.spec.dtype
         # Always explicit: FE versions infer different output strides (NCHW vs NHWC) otherwise.
         tensor.set_output(True).set_name(role).set_uid(ROLE_UIDS[role])
         tensor.set_data_type(frontend.data_type(dtype)).set_dim(list(dims)).set_stride(list(strides))
         self.roles.append(role)
+
+    def prologue(self, x: Any) -> Any:
+        """relu(x * scale + shift) per input channel, as the spec's prologue says, else x."""
+        if self.spec.prologue is None:
+            return x
+        c = self.spec.x_shape[1]
+        g = self.graph
+        scaled = g.scale(input=x, scale=self.channel_input("scale", c), name="prologue_scale")
+        return g.relu(input=g.bias(input=scaled, bias=self.channel_input("shift", c), name="prologue_shift"),
+                      name="prologue_relu")
 
     def part(self) -> GraphPart:
         return GraphPart(self.name, self.graph, tuple(self.roles), dict(self.scalars.values))
@@ -155,10 +166,13 @@ def _compute(spec) -> Any:
 def _fwd(spec: ConvFwdSpec, *, fused: bool, handle: Any, acc_dtype: str) -> GraphBuild:
     t = spec.tensors()
     conv = _Builder(spec, "conv_fwd" + ("+epilogue" if fused and spec.has_epilogue else ""), handle)
-    out = conv.graph.conv_fprop(image=conv.input("x", t["x"]), weight=conv.input("w", t["w"]),
+    out = conv.graph.conv_fprop(image=conv.prologue(conv.input("x", t["x"])), weight=conv.input("w", t["w"]),
                                 compute_data_type=_compute(spec), name="conv", **_conv_params(spec))
     if fused:
-        conv.output(_fwd_epilogue(conv, spec, out, t), "y", t["y"])
+        y = _fwd_epilogue(conv, spec, out, t)
+        conv.output(y, "y", t["y"])
+        if spec.stats:
+            _genstats(conv, spec, y)
         return GraphBuild(spec, True, (conv.part(),), {})
     acc = _acc_desc(spec, t["y"], acc_dtype)
     conv.output(out, "acc", acc)
@@ -179,6 +193,14 @@ def _fwd_epilogue(b: _Builder, spec: ConvFwdSpec, value: Any, t: dict[str, Tenso
             z = g.scale(input=z, scale=b.scalars.const(g, spec.beta, "beta"), name="beta")
         value = g.add(a=value, b=z, name="residual")
     return activation_forward(g, value, spec.activation, b.scalars)
+
+
+def _genstats(b: _Builder, spec: ConvFwdSpec, y: Any) -> None:
+    """The per-channel sum and sum of squares of y, in float32, from the conv's own epilogue."""
+    total, squares = b.graph.genstats(input=y, name="stats")
+    dims, strides = _channel_dims(spec, spec.w_shape[0])
+    for tensor, role in ((total, "sum"), (squares, "sq_sum")):
+        b.output(tensor, role, dims=dims, strides=strides, dtype="float32")
 
 
 # -- backward data ---------------------------------------------------------------------------------
@@ -213,7 +235,7 @@ def _wgrad(spec: ConvBwdFilterSpec, *, fused: bool, handle: Any, acc_dtype: str)
     t = spec.tensors()
     conv = _Builder(spec, "conv_bwd_filter" + ("+bias_grad" if fused and spec.bias_grad else ""), handle)
     dy = conv.input("dy", t["dy"])
-    dw = conv.graph.conv_wgrad(image=conv.input("x", t["x"]), loss=dy,
+    dw = conv.graph.conv_wgrad(image=conv.prologue(conv.input("x", t["x"])), loss=dy,
                                compute_data_type=_compute(spec), name="wgrad", **_conv_params(spec))
     conv.output(dw, "dw", t["dw"])
     if not spec.bias_grad:

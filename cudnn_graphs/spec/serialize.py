@@ -15,9 +15,15 @@ def spec_to_dict(spec: Any) -> dict[str, Any]:
     """Plain dict of lists, ints, floats, bools, strings and None; `spec_from_dict` inverts it."""
     out: dict[str, Any] = {"schema": SPEC_SCHEMA_VERSION, "op": spec.op}
     for f in dataclasses.fields(spec):
-        if f.init:
-            out[f.name] = _plain(f.name, getattr(spec, f.name))
+        value = getattr(spec, f.name)
+        if f.init and not (f.name in _OMITTED_AT_DEFAULT and value == f.default):
+            out[f.name] = _plain(f.name, value)
     return out
+
+
+# Fields added after schema 1 shipped: left out at their defaults, so every earlier spec keeps its dict
+# form and signature (stored plans stay valid), and an older reader refuses only specs that use them.
+_OMITTED_AT_DEFAULT = frozenset(("prologue", "stats"))
 
 
 def _plain(name: str, value: Any) -> Any:

@@ -140,6 +140,8 @@ class ConvFwdSpec(_ConvSpec):
     residual: bool = field(default=False, kw_only=True)
     alpha: float = field(default=1.0, kw_only=True)
     beta: float = field(default=1.0, kw_only=True)
+    prologue: Any = field(default=None, kw_only=True)
+    stats: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         x = geometry.shape("x_shape", self.x_shape)
@@ -154,6 +156,11 @@ class ConvFwdSpec(_ConvSpec):
         self._set("beta", finite_number("beta", self.beta))
         if not self.residual and self.beta != 1.0:
             raise SpecError("beta", self.beta, "beta scales the residual z: set residual=True or leave beta=1.0")
+        self._set("prologue", _prologue(self.prologue))
+        self._set("stats", _flag("stats", self.stats))
+        if self.stats and self.has_epilogue:  # the unfused build's epilogue part has no statistics
+            raise SpecError("stats", True, "statistics are of the plain conv output: use them without bias, "
+                            "residual, activation or alpha")
         self._set("y_shape", _output_shape(self, x, w, "x_shape"))
         self._normalize_strides({role: len(x) for role in self.stride_roles})
         self._check_explicit_strides(self.tensors())
@@ -174,7 +181,10 @@ class ConvFwdSpec(_ConvSpec):
             out["bias"] = TensorDesc(self.bias_shape, (1,), self.dtype)
         if self.residual:
             out["z"] = self._desc("z", self.y_shape)
+        out.update(_prologue_operands(self))
         out["y"] = self._desc("y", self.y_shape)
+        if self.stats:
+            out.update({role: TensorDesc(self.bias_shape, (1,), dtypes.FLOAT32) for role in STATS_ROLES})
         return out
 
 
@@ -229,6 +239,7 @@ class ConvBwdFilterSpec(_ConvSpec):
     dy_shape: Any
     w_shape: Any
     bias_grad: bool = field(default=False, kw_only=True)
+    prologue: Any = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         x = geometry.shape("x_shape", self.x_shape)
@@ -238,6 +249,7 @@ class ConvBwdFilterSpec(_ConvSpec):
             self._set(name, value)
         self._normalize_common(x, w)
         self._set("bias_grad", _flag("bias_grad", self.bias_grad))
+        self._set("prologue", _prologue(self.prologue))
         _check_dy(self, dy, _output_shape(self, x, w, "x_shape"))
         self._normalize_strides({role: len(x) for role in self.stride_roles})
         self._check_explicit_strides(self.tensors())
@@ -256,10 +268,29 @@ class ConvBwdFilterSpec(_ConvSpec):
 
     def tensors(self) -> dict[str, TensorDesc]:
         out = {"x": self._desc("x", self.x_shape), "dy": self._desc("dy", self.dy_shape),
-               "dw": self._desc("dw", self.w_shape)}
+               **_prologue_operands(self), "dw": self._desc("dw", self.w_shape)}
         if self.bias_grad:
             out["db"] = TensorDesc(self.db_shape, (1,), self.dtype)
         return out
+
+
+# The per-channel input transform a conv may apply first: relu(x * scale + shift), a BatchNorm's apply
+# and ReLU folded into the next conv, so the normalised activation is never written.
+PROLOGUES = ("scale_bias_relu",)
+PROLOGUE_ROLES = ("scale", "shift")  # (C,) each, in the io dtype (cuDNN declines float32 operands there)
+STATS_ROLES = ("sum", "sq_sum")  # (K,) float32: the conv output's per-channel sum and sum of squares
+
+
+def _prologue(value: Any) -> str | None:
+    if value is None or value in PROLOGUES:
+        return value
+    raise SpecError("prologue", value, f"expected None or one of {list(PROLOGUES)}")
+
+
+def _prologue_operands(spec: _ConvSpec) -> dict[str, TensorDesc]:
+    if spec.prologue is None:
+        return {}
+    return {role: TensorDesc((spec.x_shape[1],), (1,), spec.dtype) for role in PROLOGUE_ROLES}
 
 
 def _output_shape(spec: _ConvSpec, x, w, field_name: str) -> tuple[int, ...]:
