@@ -107,3 +107,21 @@ def test_a_chunked_bias_part_takes_workspace_and_launches_twice(monkeypatch):
                               layout="channels_last", bias_grad=True)
     part = epilogue.bias_grad(small, 0)
     assert part.then == () and part.workspace_size == 0 and "workspace" not in part.args
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_batchnorm_kernels_compile_without_local_memory(arch):
+    from fallback_kernels import batchnorm
+
+    found = kc.ptxas_resources("batchnorm.cu", batchnorm.name_expressions(), arch)
+    assert set(found) == set(batchnorm.name_expressions())
+    for name, res in found.items():  # elementwise and reduction passes: registers only, 4+ blocks an SM
+        assert res["stack_bytes"] == 0 and res["spill_stores"] == 0, (name, res)
+        assert res["registers"] <= 64, (name, res)
+
+
+def test_batchnorm_vector_width_follows_the_channel_count():
+    from fallback_kernels import batchnorm
+
+    assert batchnorm.vector_width("float16", 64) == 8 and batchnorm.vector_width("float16", 24) == 8
+    assert batchnorm.vector_width("float16", 20) == 1 and batchnorm.vector_width("float32", 20) == 4

@@ -4,6 +4,11 @@
     model = cudnn_graphs.torch.convert(model.eval(), inference=True)  # BatchNorm folded, epilogues fused
     print(model.cudnn_graphs_report)
 
+Training: conv -> BatchNorm2d -> ReLU runs (torchvision's BasicBlock and Bottleneck bodies with their
+residual add, and runs inside an nn.Sequential such as Conv2dNormActivation or a downsample) run as one
+fused autograd node each (`_chain.py`), where the call allows it (float16 or AMP float16, channels_last,
+training mode); elsewhere the modules' own forward runs. `fuse_batchnorm=False` keeps torch's BatchNorm.
+
 Training: each conv keeps its Parameter objects (an optimizer made before still steps them); a conv
 used in two places stays one module, and one under torch.nn.utils.parametrize (weight_norm ...) keeps
 its parametrizations.
@@ -16,7 +21,6 @@ or lazy convs, subclasses with their own forward) stays torch and is listed with
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +29,7 @@ from torch.nn.utils import parametrize
 
 from gpu_launch.activations import Activation
 
+from ._chain import Chain, Stage
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 
 __all__ = ["ConversionReport", "convert"]
@@ -43,26 +48,39 @@ class ConversionReport:
     fused_activation: list[tuple[str, str]] = field(default_factory=list)  # (conv, activation)
     fused_residual: list[str] = field(default_factory=list)  # blocks whose add + relu the last conv does
     weights: str = "shared"  # or "copied" where BatchNorm was folded into new weight and bias tensors
+    chains: list[tuple[str, Chain]] = field(default_factory=list)  # training: (where, conv-BatchNorm run)
 
     def __str__(self) -> str:
         lines = [f"{len(self.replaced)} convolutions converted (weights {self.weights})"]
         if self.folded_batchnorm:
             lines.append(f"{len(self.folded_batchnorm)} BatchNorm folded, {len(self.fused_activation)} activations "
                          f"and {len(self.fused_residual)} residual adds fused")
+        if self.chains:
+            lines.append(f"{len(self.chains)} conv-BatchNorm-ReLU runs, each one fused node in training:")
+            lines += [f"  {where} ({len(chain.stages)} convs): {chain.status()}" for where, chain in self.chains]
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
 
-def convert(model: nn.Module, *, inference: bool = False) -> nn.Module:
-    """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`."""
+def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool = True) -> nn.Module:
+    """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`.
+
+    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(fuse_batchnorm, bool):
+        raise TypeError(f"fuse_batchnorm: expected True or False, got {fuse_batchnorm!r}")
     if inference and model.training:
         raise ValueError("convert(inference=True) folds BatchNorm running statistics: call model.eval() first")
+    existing = getattr(model, "cudnn_graphs_report", None)
+    if isinstance(existing, ConversionReport) and not inference:
+        return model  # converted already: its convs are ours and its runs chained
     report = ConversionReport()
     if inference:
         _fuse(model, report)
     _replace(model, "", report)
+    if not inference and fuse_batchnorm:
+        _chain_batchnorm(model, report)
     model.cudnn_graphs_report = report
     return model
 
@@ -118,6 +136,25 @@ def _why_kept(conv: nn.Module) -> str:
     return f"{type(conv).__name__} subclasses torch's conv with its own behaviour"
 
 
+class _Forward:
+    """A module's replacement forward: `fn(module, *args)`. Unlike a bound method it pickles (the
+    function by name, the module by reference) and deep-copies onto the copied module."""
+
+    __slots__ = ("fn", "module")
+
+    def __init__(self, fn, module: nn.Module):
+        self.fn, self.module = fn, module
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.module, *args, **kwargs)
+
+    def __getstate__(self):
+        return (self.fn, self.module)
+
+    def __setstate__(self, state):
+        self.fn, self.module = state
+
+
 # -- inference: BatchNorm folding and epilogue fusion ---------------------------------------------------
 
 def _fuse(model: nn.Module, report: ConversionReport) -> None:
@@ -169,7 +206,7 @@ def _fuse_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) 
     for conv_name in convs:
         getattr(block, conv_name).activation = Activation("relu")
     report.fused_activation += [(f"{prefix}{c}", "relu") for c in convs]
-    block.forward = types.MethodType(_fused_block_forward, block)
+    block.forward = _Forward(_fused_block_forward, block)
     block._cudnn_graphs_convs = tuple(convs)
     report.fused_residual.append(prefix.rstrip("."))
 
@@ -232,3 +269,74 @@ def _activation_of(module: nn.Module) -> Activation | None:
     if kind is nn.Tanh:
         return Activation("tanh")
     return None  # Hardswish, ReLU6, Softplus with its threshold...: not exactly ours
+
+
+# -- training: conv -> BatchNorm -> ReLU runs as fused nodes -------------------------------------------
+
+def _chain_batchnorm(model: nn.Module, report: ConversionReport) -> None:
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        if _resnet_block(module) is not None:
+            _chain_resnet_block(module, prefix, report)
+        elif type(module).forward is nn.Sequential.forward:
+            _chain_sequential(module, prefix, report)
+
+
+def _conv_bn(conv: nn.Module, bn: nn.Module) -> bool:
+    """Our plain Conv2d (ungrouped, no bias or epilogue, zero padding) feeding a BatchNorm2d of its channels."""
+    return (isinstance(conv, Conv2d) and type(conv).forward is Conv2d.forward and _identity_epilogue(conv)
+            and conv.bias is None and conv.groups == 1 and conv.padding_mode == "zeros"
+            and type(bn) is nn.BatchNorm2d and bn.num_features == conv.out_channels)
+
+
+def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) -> None:
+    n = 3 if _resnet_block(block) == "Bottleneck" else 2
+    pairs = [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in range(1, n + 1)]
+    if not all(_conv_bn(c, b) for c, b in pairs):
+        return
+    stages = [Stage(c, b, relu=True) for c, b in pairs]
+    block._cudnn_graphs_chain = Chain(stages, final_relu=True)
+    block.forward = _Forward(_chained_block_forward, block)
+    report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
+
+
+def _chained_block_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """torchvision's block, its body one fused node in training (its own forward in eval)."""
+    if not self.training:
+        return type(self).forward(self, x)
+    identity = x if self.downsample is None else self.downsample(x)
+    return self._cudnn_graphs_chain(x, identity)
+
+
+def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
+    """Runs of conv, BatchNorm2d[, ReLU] slots; a stage without its ReLU ends a run."""
+    names, steps, i, found = list(seq._modules), [], 0, False
+    while i < len(names):
+        stages, start = [], i
+        while i + 1 < len(names) and _conv_bn(seq._modules[names[i]], seq._modules[names[i + 1]]):
+            relu = i + 2 < len(names) and type(seq._modules[names[i + 2]]) is nn.ReLU
+            stages.append(Stage(seq._modules[names[i]], seq._modules[names[i + 1]], relu=relu))
+            i += 3 if relu else 2
+            if not relu:
+                break
+        if not stages:
+            steps.append(names[i])
+            i += 1
+            continue
+        final = stages[-1].relu
+        chain = Chain(stages, final_relu=final)
+        steps.append(chain)
+        report.chains.append((f"{prefix}{names[start]}", chain))
+        found = True
+    if found:
+        seq._cudnn_graphs_steps = tuple(steps)
+        seq.forward = _Forward(_chained_sequential_forward, seq)
+
+
+def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not self.training:
+        return nn.Sequential.forward(self, x)
+    for step in self._cudnn_graphs_steps:
+        x = step(x) if isinstance(step, Chain) else self._modules[step](x)
+    return x
+

@@ -1,0 +1,198 @@
+// Training-mode BatchNorm around cuDNN's fused convs, channels-last (rows of C channels, dense).
+//
+// The conv writes its raw output y and the per-channel sum / sum of squares (cuDNN's genstats). Then:
+//   bn_finalize    : mean, 1/std, scale = gamma/std, shift = beta - mean*scale, the running statistics
+//                    (torch's momentum, or its cumulative average for momentum=None), num_batches_tracked;
+//   bn_apply       : out = [relu](y*scale + shift [+ r | + r*scale2 + shift2]) where the activation must
+//                    exist in memory (a block's end; else the next conv applies it in its prologue);
+//   bn_bwd_reduce  : per channel, sum(dz) and sum(dz * (y - mean)) with dz = da * [pre-activation > 0], in
+//                    row chunks (phase 0) summed in a fixed order (phase 1): deterministic. Phase 1 also
+//                    writes dgamma, dbeta and the coefficients of dy = A*dz + B*(y - mean) + C;
+//   bn_bwd_apply   : dy = A*dz + B*(y - mean) + C, and dz itself where a residual input needs it.
+// Sums over y - mean, not y: a channel whose mean is large against its spread loses nothing to cancellation.
+// scale and shift are stored in the io type: cuDNN's prologue reads them so (it declines float32
+// operands), and bn_apply and the mask in the backward use the same rounded values.
+#include "types.cuh"
+
+#define ROWS_LANES 32   // threadIdx.y of the row-chunk reductions
+#define TILE 32         // channels per block of the reductions (threadIdx.x, one warp reads them coalesced)
+
+// One block (the counter is read before it is written): C <= a few thousand channels, a trivial pass.
+template <typename T>
+__global__ void bn_finalize(const float* __restrict__ sum, const float* __restrict__ sq_sum,
+                            const float* __restrict__ gamma, const float* __restrict__ beta,
+                            float* __restrict__ running_mean, float* __restrict__ running_var,
+                            long long* __restrict__ num_batches, T* __restrict__ scale, T* __restrict__ shift,
+                            float* __restrict__ save_mean, float* __restrict__ save_invstd,
+                            int C, double count, float eps, float momentum) {
+    // momentum < 0: torch's momentum=None, the cumulative average 1 / num_batches_tracked (after this batch)
+    float factor = momentum;
+    if (num_batches != nullptr && momentum < 0.f) factor = (float)(1.0 / (double)(*num_batches + 1));
+    __syncthreads();
+    if (num_batches != nullptr && threadIdx.x == 0) *num_batches += 1;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const double mean = (double)sum[c] / count;
+        const double var = fmax((double)sq_sum[c] / count - mean * mean, 0.0);  // biased: what normalises
+        const float invstd = (float)(1.0 / sqrt(var + (double)eps));
+        const float g = gamma != nullptr ? gamma[c] : 1.f, b = beta != nullptr ? beta[c] : 0.f;
+        const T s = from_acc<T>(g * invstd);
+        scale[c] = s;
+        shift[c] = from_acc<T>(b - (float)mean * to_acc(s));
+        save_mean[c] = (float)mean;
+        save_invstd[c] = invstd;
+        if (running_mean != nullptr) {
+            running_mean[c] = (1.f - factor) * running_mean[c] + factor * (float)mean;
+            const double unbiased = count > 1.0 ? var * count / (count - 1.0) : var;
+            running_var[c] = (1.f - factor) * running_var[c] + factor * (float)unbiased;
+        }
+    }
+}
+
+// VEC consecutive channels a thread (C % VEC == 0, 16-byte aligned rows when VEC * sizeof(T) == 16).
+template <typename T, int VEC>
+struct Vec { T v[VEC]; };
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load(const T* __restrict__ p, long long i, float (&out)[VEC]) {
+    const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(p + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_acc(v.v[j]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store(T* __restrict__ p, long long i, const float (&in)[VEC]) {
+    Vec<T, VEC> v;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v.v[j] = from_acc<T>(in[j]);
+    *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
+}
+
+// residual: 0 none, 1 + r, 2 + r*scale2 + shift2 (a downsample branch's own BatchNorm).
+template <typename T, int VEC>
+__global__ void bn_apply(const T* __restrict__ y, const T* __restrict__ scale, const T* __restrict__ shift,
+                         const T* __restrict__ r, const T* __restrict__ scale2, const T* __restrict__ shift2,
+                         T* __restrict__ out, long long n, int C, int residual, int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x * VEC;
+    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < n; i += stride) {
+        const int c = (int)(i % C);
+        float v[VEC], s[VEC], t[VEC];
+        load<T, VEC>(y, i, v);
+        load<T, VEC>(scale, c, s);
+        load<T, VEC>(shift, c, t);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) v[j] = v[j] * s[j] + t[j];
+        if (residual != 0) {
+            float rv[VEC];
+            load<T, VEC>(r, i, rv);
+            if (residual == 2) {
+                load<T, VEC>(scale2, c, s);
+                load<T, VEC>(shift2, c, t);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) rv[j] = rv[j] * s[j] + t[j];
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[j] += rv[j];
+        }
+        if (relu) {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[j] = fmaxf(v[j], 0.f);
+        }
+        store<T, VEC>(out, i, v);
+    }
+}
+
+// dz of one element: da where the activation passed it. The mask comes from the stored output (a > 0)
+// where there is one, else from y*scale + shift > 0 (the prologue's own input to its relu); relu == 0: da.
+template <typename T>
+__device__ __forceinline__ float masked(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
+                                        long long i, float s, float t, int relu) {
+    const float g = to_acc(da[i]);
+    if (!relu) return g;
+    const float pre = a != nullptr ? to_acc(a[i]) : to_acc(y[i]) * s + t;
+    return pre > 0.f ? g : 0.f;
+}
+
+// phase 0: block (tile, chunk) sums dz and dz*y over its rows into partials[chunk][2][C];
+// phase 1: one block row per tile sums the chunks in order, then writes dgamma, dbeta and the coefficients.
+template <typename T>
+__global__ void bn_bwd_reduce(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
+                              const T* __restrict__ scale, const T* __restrict__ shift,
+                              const float* __restrict__ gamma, const float* __restrict__ save_mean,
+                              const float* __restrict__ save_invstd, float* __restrict__ partials,
+                              float* __restrict__ dgamma, float* __restrict__ dbeta, float* __restrict__ coef,
+                              long long rows, int C, long long chunk_rows, long long chunks, int relu, int phase) {
+    __shared__ float lanes[2][ROWS_LANES][TILE + 1];
+    const int c = blockIdx.x * TILE + threadIdx.x;
+    float dz_sum = 0.f, dzy_sum = 0.f;
+    if (c < C && phase == 0) {
+        const float s = to_acc(scale[c]), t = to_acc(shift[c]), mean = save_mean[c];
+        const long long r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+        for (long long r = r0 + threadIdx.y; r < r1; r += ROWS_LANES) {
+            const long long i = r * C + c;
+            const float dz = masked(da, y, a, i, s, t, relu);
+            dz_sum += dz;
+            dzy_sum += dz * (to_acc(y[i]) - mean);
+        }
+    } else if (c < C) {
+        for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
+            dz_sum += partials[(2 * k) * C + c];
+            dzy_sum += partials[(2 * k + 1) * C + c];
+        }
+    }
+    lanes[0][threadIdx.y][threadIdx.x] = dz_sum;
+    lanes[1][threadIdx.y][threadIdx.x] = dzy_sum;
+    __syncthreads();
+    if (threadIdx.y != 0 || c >= C) return;
+    float total = 0.f, total_y = 0.f;
+    for (int l = 0; l < ROWS_LANES; ++l) {
+        total += lanes[0][l][threadIdx.x];
+        total_y += lanes[1][l][threadIdx.x];
+    }
+    if (phase == 0) {
+        partials[(2 * blockIdx.y) * C + c] = total;
+        partials[(2 * blockIdx.y + 1) * C + c] = total_y;
+        return;
+    }
+    const float invstd = save_invstd[c], m = (float)rows;
+    const float dzx = invstd * total_y;  // sum(dz * xhat)
+    const float g = gamma != nullptr ? gamma[c] : 1.f;
+    if (dgamma != nullptr) dgamma[c] = dzx;
+    if (dbeta != nullptr) dbeta[c] = total;
+    // dy = g*invstd*(dz - dbeta/m - xhat*dgamma/m), xhat = (y - mean)*invstd
+    const float A = g * invstd;
+    coef[c] = A;
+    coef[C + c] = -A * invstd * dzx / m;
+    coef[2 * C + c] = -A * total / m;
+}
+
+template <typename T, int VEC>
+__global__ void bn_bwd_apply(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
+                             const T* __restrict__ scale, const T* __restrict__ shift,
+                             const float* __restrict__ save_mean, const float* __restrict__ coef,
+                             T* __restrict__ dy, T* __restrict__ dz_out, long long n, int C, int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x * VEC;
+    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC; i < n; i += stride) {
+        const int c = (int)(i % C);
+        float g[VEC], v[VEC], pre[VEC], s[VEC], t[VEC];
+        load<T, VEC>(da, i, g);
+        load<T, VEC>(y, i, v);
+        if (relu) {
+            if (a != nullptr) {
+                load<T, VEC>(a, i, pre);
+            } else {
+                load<T, VEC>(scale, c, s);
+                load<T, VEC>(shift, c, t);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) pre[j] = v[j] * s[j] + t[j];
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) g[j] = pre[j] > 0.f ? g[j] : 0.f;
+        }
+        if (dz_out != nullptr) store<T, VEC>(dz_out, i, g);
+        float out[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            out[j] = coef[c + j] * g[j] + coef[C + c + j] * (v[j] - save_mean[c + j]) + coef[2 * C + c + j];
+        store<T, VEC>(dy, i, out);
+    }
+}

@@ -1,0 +1,152 @@
+"""Launchers for batchnorm.cu: training-mode BatchNorm around cuDNN's conv + statistics graphs.
+
+`BatchNormKernels.get(rows=, channels=, dtype=, device=)` prepares, once per geometry, every launch a
+conv -> BatchNorm (-> ReLU) stage needs; each launch then takes its pointers (ints) and a stream and
+queues one kernel (two for the reduction), nothing else: no allocation, no check, no synchronisation.
+Tensors are channels-last and dense: `rows` = N * spatial, `channels` = C; per-channel float32 buffers
+(statistics, gamma, beta, running statistics, mean, 1/std, gradients) and io-dtype scale / shift.
+
+The kernels are compiled with NVRTC through CuPy once per device and dtype; CuPy keeps the binary in
+its on-disk kernel cache, so a later process only loads it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Any
+
+from gpu_launch import driver
+
+from . import compile as _compile
+
+CTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+BLOCK = 256
+MAX_BLOCKS = 132 * 8  # grid-stride loops: a few waves of an H100's SMs cover any size
+TILE, LANES = 32, 32  # the reduction's block: TILE channels x LANES row lanes (batchnorm.cu)
+CHUNK_ROWS = 1024  # rows a reduction block sums: enough blocks for the GPU at ResNet sizes, few partials
+NULL = 0
+
+
+def _names(dtype: str) -> dict[str, str]:
+    t = CTYPES[dtype]
+    return {"finalize": f"bn_finalize<{t}>", "reduce": f"bn_bwd_reduce<{t}>",
+            **{f"apply{v}": f"bn_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])},
+            **{f"bwd_apply{v}": f"bn_bwd_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])}}
+
+
+def name_expressions() -> list[str]:
+    return [name for dtype in CTYPES for name in _names(dtype).values()]
+
+
+def vector_width(dtype: str, channels: int) -> int:
+    """Channels a thread handles in the elementwise passes: 16 bytes where the channel count allows."""
+    v = 16 // ITEMSIZE[dtype]
+    return v if channels % v == 0 else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _functions(dtype: str, device: int) -> dict[str, int]:
+    names = _names(dtype)
+    module = _compile.load_module("batchnorm.cu", tuple(names.values()), device)
+    return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
+
+
+class _Launch:
+    """One kernel with its arguments packed once; `__call__(stream, *pointers)` patches the pointer
+    arguments (in their parameter order) and launches."""
+
+    __slots__ = ("kernel", "slots")
+
+    def __init__(self, fn: int, grid, block, args: list, device: int):
+        self.slots = tuple(a for a in args if isinstance(a, ctypes.c_uint64))
+        self.kernel = driver.Kernel(fn, grid=grid, block=block, args=args, ordinal=device)
+
+    def __call__(self, stream: int, *pointers: int) -> None:
+        for slot, value in zip(self.slots, pointers):
+            slot.value = value
+        self.kernel.launch(stream)
+
+
+def _ptrs(n: int) -> list:
+    return [ctypes.c_uint64(0) for _ in range(n)]
+
+
+class BatchNormKernels:
+    """Every launch of one (rows, channels, dtype, device) stage. One thread launches a given object
+    (its argument slots are patched in place); `get` hands each thread its own."""
+
+    def __init__(self, rows: int, channels: int, dtype: str, device: int):
+        if dtype not in CTYPES:
+            raise ValueError(f"dtype: batchnorm kernels take {sorted(CTYPES)}, got {dtype!r}")
+        fns = _functions(dtype, device)
+        self.rows, self.channels, self.dtype, self.device = rows, channels, dtype, device
+        n, c = rows * channels, channels
+        vec = vector_width(dtype, c)
+        grid = max(1, min(-(-n // (BLOCK * vec)), MAX_BLOCKS))
+        tiles = -(-c // TILE)
+        self.chunks = -(-rows // CHUNK_ROWS)
+        self.partials_bytes = 2 * self.chunks * c * 4
+        i32, i64 = ctypes.c_int32, ctypes.c_int64
+        self._finalize_args = [*_ptrs(11), i32(c), ctypes.c_double(rows), ctypes.c_float(1e-5), ctypes.c_float(0.1)]
+        self._finalize = _Launch(fns["finalize"], 1, BLOCK, self._finalize_args, device)
+        self._apply_args = [*_ptrs(7), i64(n), i32(c), i32(0), i32(1)]
+        self._apply = _Launch(fns[f"apply{vec}"], grid, BLOCK, self._apply_args, device)
+        red = [i64(rows), i32(c), i64(CHUNK_ROWS), i64(self.chunks), i32(1)]
+        self._reduce_args = ([*_ptrs(12), *red, i32(0)], [*_ptrs(12), *red, i32(1)])
+        self._reduce = (_Launch(fns["reduce"], (tiles, self.chunks), (TILE, LANES), self._reduce_args[0], device),
+                        _Launch(fns["reduce"], tiles, (TILE, LANES), self._reduce_args[1], device))
+        self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
+        self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
+
+    @classmethod
+    def get(cls, *, rows: int, channels: int, dtype: str, device: int) -> "BatchNormKernels":
+        return _for_thread(rows, channels, dtype, device)
+
+    def finalize(self, stream: int, *, sum: int, sq_sum: int, gamma: int, beta: int, running_mean: int,
+                 running_var: int, num_batches: int, scale: int, shift: int, mean: int, invstd: int,
+                 eps: float, momentum: float | None) -> None:
+        """mean, 1/std, scale, shift from the conv's statistics; the running statistics updated as torch's
+        BatchNorm does (momentum None: the cumulative average), num_batches_tracked + 1. 0 = absent."""
+        self._finalize_args[-2].value = eps
+        self._finalize_args[-1].value = -1.0 if momentum is None else momentum
+        self._finalize(stream, sum, sq_sum, gamma, beta, running_mean, running_var, num_batches, scale, shift,
+                       mean, invstd)
+
+    def apply(self, stream: int, *, y: int, scale: int, shift: int, out: int, relu: bool, residual: int = NULL,
+              scale2: int = NULL, shift2: int = NULL) -> None:
+        """out = [relu](y * scale + shift [+ residual | + residual * scale2 + shift2])."""
+        self._apply_args[-2].value = 0 if not residual else (2 if scale2 else 1)
+        self._apply_args[-1].value = int(relu)
+        self._apply(stream, y, scale, shift, residual, scale2, shift2, out)
+
+    def backward(self, stream: int, *, da: int, y: int, out: int, scale: int, shift: int, gamma: int, mean: int,
+                 invstd: int, partials: int, coef: int, dgamma: int, dbeta: int, dy: int, relu: bool,
+                 dz: int = NULL) -> None:
+        """dy (and dgamma, dbeta) from da, the gradient of the stage's activation. The relu's mask comes
+        from `out` (the stored activation) where given, else from y * scale + shift. `partials` holds
+        `partials_bytes`, `coef` 3 * channels float32; `dz` receives the gradient before the BatchNorm
+        (a residual input's gradient) where given."""
+        for args in self._reduce_args:
+            args[-2].value = int(relu)
+        ptrs = (da, y, out, scale, shift, gamma, mean, invstd, partials, dgamma, dbeta, coef)
+        self._reduce[0](stream, *ptrs)
+        self._reduce[1](stream, *ptrs)
+        self._bwd_args[-1].value = int(relu)
+        self._bwd_apply(stream, da, y, out, scale, shift, mean, coef, dy, dz)
+
+
+_local = threading.local()
+
+
+def _for_thread(rows: int, channels: int, dtype: str, device: int) -> BatchNormKernels:
+    cache = getattr(_local, "kernels", None)
+    if cache is None:
+        cache = _local.kernels = {}
+    key = (rows, channels, dtype, device)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = BatchNormKernels(rows, channels, dtype, device)
+    return found

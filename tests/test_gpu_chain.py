@@ -1,0 +1,160 @@
+"""conv -> BatchNorm -> ReLU runs as one fused node: output, every gradient, the running statistics and
+num_batches_tracked against torch's modules in float64; the fused path must have run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from cudnn_graphs.torch._chain import Chain, Stage  # noqa: E402
+
+from .gpu_reference import queued_calls, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CL = torch.channels_last
+# Relative L2 error against float64 allowed beyond torch's own (its modules in the same dtype / AMP):
+# a ReLU mask decided on fp16 values flips where the float64 pre-activation is within rounding of 0, and
+# each flip moves a gradient element by its whole value, so gradients carry a few % against float64 for
+# torch too. Ours must stay within twice torch's error plus this.
+SLACK = 5e-3
+
+
+class Block(nn.Module):
+    """A bottleneck body: 1x1 -> 3x3 (stride) -> 1x1, BatchNorm after each, ReLU between; then
+    [+ residual] [-> ReLU]."""
+
+    def __init__(self, c=64, mid=32, k=64, stride=1, bn_kwargs=None, final_relu=True, kernels=(1, 3, 1)):
+        super().__init__()
+        bn_kwargs = bn_kwargs or {}
+        chans = [c, mid, mid, k]
+        self.convs = nn.ModuleList(
+            nn.Conv2d(chans[i], chans[i + 1], r, stride=stride if r == 3 else 1, padding=r // 2, bias=False)
+            for i, r in enumerate(kernels))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(chans[i + 1], **bn_kwargs) for i in range(3))
+        self.final_relu = final_relu
+        for bn in self.bns:
+            if bn.weight is not None:
+                nn.init.uniform_(bn.weight, 0.5, 1.5)
+                nn.init.uniform_(bn.bias, -0.5, 0.5)
+
+    def forward(self, x, residual=None):
+        for i in range(3):
+            x = self.bns[i](self.convs[i](x))
+            if i < 2:
+                x = torch.relu(x)
+        if residual is not None:
+            x = x + residual
+        return torch.relu(x) if self.final_relu else x
+
+    def chain(self) -> Chain:
+        stages = [Stage(self.convs[i], self.bns[i], relu=i < 2) for i in range(3)]
+        return Chain(stages, final_relu=self.final_relu)
+
+
+def rel(a, b):
+    return rel_err(a.detach(), b.detach().double())
+
+
+def close(ours, torch_, ref, what):
+    mine, theirs = rel(ours, ref), rel(torch_, ref)
+    assert mine <= 2 * theirs + SLACK, f"{what}: ours {mine:.2e} against float64, torch's {theirs:.2e}"
+
+
+def _run(block, chain, x, r, g, autocast):
+    xs = x.detach().clone().requires_grad_(True)
+    rs = None if r is None else r.detach().clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+        out = chain(xs, rs) if chain is not None else block(xs, rs)
+    out.backward(g)
+    return out, xs.grad, None if rs is None else rs.grad
+
+
+CASES = {
+    "plain": dict(),
+    "residual": dict(residual=True),
+    "residual-strided": dict(residual=True, stride=2, k=64),
+    "no-final-relu": dict(final_relu=False),
+    "momentum-none": dict(bn_kwargs=dict(momentum=None)),
+    "no-affine": dict(bn_kwargs=dict(affine=False)),
+    "no-running-stats": dict(bn_kwargs=dict(track_running_stats=False)),
+    "eps-momentum": dict(bn_kwargs=dict(eps=1e-3, momentum=0.3)),
+    "odd-channels": dict(c=24, mid=40, k=24, residual=True),
+}
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["amp-fp32-params", "fp16-model"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_chain_matches_torch_in_float64(name, autocast):
+    case = dict(CASES[name])
+    residual = case.pop("residual", False)
+    stride = case.get("stride", 1)
+    torch.manual_seed(0)
+    block = Block(**case).cuda().to(memory_format=CL)
+    if not autocast:
+        block = block.half()
+    ref = copy.deepcopy(block).double()
+    ours, theirs = copy.deepcopy(block), copy.deepcopy(block)
+    chain = ours.chain()
+    n, c, hw = 8, block.convs[0].in_channels, 16
+    dtype = torch.float32 if autocast else torch.float16
+    for step in range(2):  # a second step: running statistics and num_batches_tracked move on
+        x = torch.randn(n, c, hw, hw, device="cuda", dtype=dtype).to(memory_format=CL)
+        k, o = block.convs[2].out_channels, hw // stride
+        r = torch.randn(n, k, o, o, device="cuda", dtype=dtype).to(memory_format=CL) if residual else None
+        g = torch.randn(n, k, o, o, device="cuda", dtype=dtype).to(memory_format=CL)
+        out, dx, dr = _run(ours, chain, x, r, g, autocast)
+        t_out, t_dx, t_dr = _run(theirs, None, x, r, g, autocast)
+        ref_out, ref_dx, ref_dr = _run(ref, None, x.double(), None if r is None else r.double(), g.double(), False)
+        assert chain._plans and all(p is not None for p in chain._plans.values()), "the fused path did not run"
+        assert out.dtype == t_out.dtype and out.is_contiguous(memory_format=CL)
+        assert dx.dtype == x.dtype
+        close(out, t_out, ref_out, "output")
+        close(dx, t_dx, ref_dx, "input gradient")
+        if residual:
+            close(dr, t_dr, ref_dr, "residual gradient")
+        for (name_, p), (_, t), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(),
+                                              ref.named_parameters()):
+            assert p.grad is not None and p.grad.dtype == p.dtype, name_
+            close(p.grad, t.grad, q.grad, name_)
+        for (name_, b), (_, t), (_, q) in zip(ours.named_buffers(), theirs.named_buffers(), ref.named_buffers()):
+            if b.dtype == torch.int64:
+                assert torch.equal(b, q), name_
+            else:
+                close(b, t, q, name_)
+        for m in (ours, theirs, ref):
+            m.zero_grad()
+
+
+def test_chain_is_deterministic_and_never_synchronises():
+    torch.manual_seed(1)
+    block = Block(c=64, mid=64, k=64).cuda().half().to(memory_format=CL)
+    x = torch.randn(16, 64, 28, 28, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    g = torch.randn_like(x)
+    results = []
+    for _ in range(2):
+        b = copy.deepcopy(block)
+        chain = b.chain()
+        out, dx, _ = _run(b, chain, x, x, g, False)
+        results.append([out, dx] + [p.grad for p in b.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    # warm, then a call behind a queued sleep returns before the sleep ends
+    b = copy.deepcopy(block)
+    chain = b.chain()
+    _run(b, chain, x, x, g, False)
+    torch.cuda.synchronize()
+    host_s, busy, per_call = queued_calls(lambda: _run(b, chain, x, x, g, False), 3)
+    assert busy and host_s < 0.5, per_call
+
+
+def test_eval_mode_and_cpu_run_the_modules():
+    block = Block().cuda().half().to(memory_format=CL).eval()
+    chain = block.chain()
+    x = torch.randn(2, 64, 8, 8, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    with torch.no_grad():
+        assert torch.equal(chain(x), block(x))
+    assert not chain._plans  # eval never plans

@@ -1,0 +1,113 @@
+"""CPU: `convert` finds conv -> BatchNorm -> ReLU runs for training (torchvision-style blocks with their
+residual, runs in a Sequential), keeps every module and state_dict key where it was, and computes what
+the modules compute wherever the fused node cannot run (CPU tensors, eval mode)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+from cudnn_graphs.torch._chain import Chain  # noqa: E402
+
+from .test_torch_convert import BasicBlock  # noqa: E402
+
+
+class Bottleneck(nn.Module):
+    """torchvision's Bottleneck, as its code reads."""
+
+    def __init__(self, cin, mid, stride=1):
+        super().__init__()
+        cout = mid * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),    # a 2-stage run ...
+        nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16),                          # ... a stage alone
+        Bottleneck(16, 4), Bottleneck(16, 8, stride=2), BasicBlock(32, 32),
+        nn.Sequential(nn.Conv2d(32, 8, 1, bias=True), nn.BatchNorm2d(8), nn.ReLU()),   # conv bias: not a run
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.SiLU()),
+    ).double()
+
+
+def _step(net, x):
+    out = net(x)
+    out.square().mean().backward()
+    return out, {n: p.grad.clone() for n, p in net.named_parameters()}, {n: b.clone() for n, b in net.named_buffers()}
+
+
+def test_training_convert_finds_runs_and_keeps_paths():
+    net = _net()
+    keys = list(net.state_dict())
+    cgt.convert(net)
+    report = net.cudnn_graphs_report
+    where = {w: len(c.stages) for w, c in report.chains}
+    assert where == {"0": 2, "7": 1, "9": 3, "10": 3, "10.downsample.0": 1, "11": 2, "13.0": 1}
+    assert list(net.state_dict()) == keys
+    assert all(c.status() == "not run in training yet" for _, c in report.chains)
+    assert "runs, each one fused node in training" in str(report)
+    assert cgt.convert(net) is net and net.cudnn_graphs_report is report  # converting again changes nothing
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_converted_runs_compute_what_the_modules_compute_on_cpu(train):
+    net = _net().train(train)
+    ours = cgt.convert(copy.deepcopy(net))
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    out, grads, bufs = _step(ours, x)
+    ref_out, ref_grads, ref_bufs = _step(net, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12)
+    for name in ref_bufs:
+        torch.testing.assert_close(bufs[name], ref_bufs[name], rtol=1e-12, atol=0)
+    # CPU tensors never plan; the report says why nothing ran fused
+    assert all(not c._plans for _, c in ours.cudnn_graphs_report.chains)
+
+
+def test_copies_and_pickles_carry_chains_onto_their_own_modules():
+    net = cgt.convert(_net())
+    for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        chain = clone[9]._cudnn_graphs_chain
+        assert isinstance(chain, Chain) and chain.stages[0].conv is clone[9].conv1
+        assert chain.stages[2].bn is clone[9].bn3 and chain._plans == {}
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        torch.testing.assert_close(clone(x), net(x))
+
+
+def test_fuse_batchnorm_false_keeps_torchs_batchnorm():
+    net = cgt.convert(_net(), fuse_batchnorm=False)
+    assert net.cudnn_graphs_report.chains == []
+    with pytest.raises(TypeError, match="fuse_batchnorm"):
+        cgt.convert(_net(), fuse_batchnorm="yes")
+
+
+def test_inference_converted_blocks_pickle():
+    """The replaced forward of a folded block pickles (a bound method of a module-level function did not)."""
+    net = _net().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    ours = cgt.convert(copy.deepcopy(net), inference=True)
+    assert ours.cudnn_graphs_report.fused_residual
+    torch.testing.assert_close(pickle.loads(pickle.dumps(ours))(x), ours(x))
