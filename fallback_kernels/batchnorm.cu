@@ -49,14 +49,23 @@ __global__ void bn_finalize(const float* __restrict__ sum, const float* __restri
 }
 
 // VEC consecutive channels a thread (C % VEC == 0, 16-byte aligned rows when VEC * sizeof(T) == 16).
+// The alignment makes one vector load of the struct: without it a Vec of halves has the alignment of one
+// half, and the compiler loads element by element (bn_bwd_apply ran 5x off the memory bandwidth so).
 template <typename T, int VEC>
-struct Vec { T v[VEC]; };
+struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
 
 template <typename T, int VEC>
 __device__ __forceinline__ void load(const T* __restrict__ p, long long i, float (&out)[VEC]) {
     const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(p + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) out[j] = to_acc(v.v[j]);
+}
+
+template <int VEC>
+__device__ __forceinline__ void load(const float* __restrict__ p, long long i, float (&out)[VEC]) {
+    const Vec<float, VEC> v = *reinterpret_cast<const Vec<float, VEC>*>(p + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = v.v[j];
 }
 
 template <typename T, int VEC>
@@ -112,57 +121,81 @@ __device__ __forceinline__ float masked(const T* __restrict__ da, const T* __res
     return pre > 0.f ? g : 0.f;
 }
 
-// phase 0: block (tile, chunk) sums dz and dz*y over its rows into partials[chunk][2][C];
+// phase 0: block (tile, chunk) sums dz and dz*(y - mean) over its rows into partials[chunk][2][C];
 // phase 1: one block row per tile sums the chunks in order, then writes dgamma, dbeta and the coefficients.
-template <typename T>
+// A thread owns RV adjacent channels (one RV-wide load a row): a warp then reads whole 128-byte lines.
+template <typename T, int RV>
 __global__ void bn_bwd_reduce(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
                               const T* __restrict__ scale, const T* __restrict__ shift,
                               const float* __restrict__ gamma, const float* __restrict__ save_mean,
                               const float* __restrict__ save_invstd, float* __restrict__ partials,
                               float* __restrict__ dgamma, float* __restrict__ dbeta, float* __restrict__ coef,
                               long long rows, int C, long long chunk_rows, long long chunks, int relu, int phase) {
-    __shared__ float lanes[2][ROWS_LANES][TILE + 1];
-    const int c = blockIdx.x * TILE + threadIdx.x;
-    float dz_sum = 0.f, dzy_sum = 0.f;
-    if (c < C && phase == 0) {
-        const float s = to_acc(scale[c]), t = to_acc(shift[c]), mean = save_mean[c];
+    __shared__ float lanes[2][ROWS_LANES][TILE * RV + 1];
+    const int c0 = (blockIdx.x * TILE + threadIdx.x) * RV;
+    float dz_sum[RV], dzy_sum[RV];
+#pragma unroll
+    for (int j = 0; j < RV; ++j) dz_sum[j] = dzy_sum[j] = 0.f;
+    if (c0 < C && phase == 0) {
+        float s[RV], t[RV], mean[RV];
+        load<T, RV>(scale, c0, s);
+        load<T, RV>(shift, c0, t);
+        load<RV>(save_mean, c0, mean);
         const long long r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
         for (long long r = r0 + threadIdx.y; r < r1; r += ROWS_LANES) {
-            const long long i = r * C + c;
-            const float dz = masked(da, y, a, i, s, t, relu);
-            dz_sum += dz;
-            dzy_sum += dz * (to_acc(y[i]) - mean);
+            const long long i = r * C + c0;
+            float g[RV], v[RV], pre[RV];
+            load<T, RV>(da, i, g);
+            load<T, RV>(y, i, v);
+            if (a != nullptr) load<T, RV>(a, i, pre);
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                const float p = a != nullptr ? pre[j] : v[j] * s[j] + t[j];
+                const float dz = !relu || p > 0.f ? g[j] : 0.f;
+                dz_sum[j] += dz;
+                dzy_sum[j] += dz * (v[j] - mean[j]);
+            }
         }
-    } else if (c < C) {
+    } else if (c0 < C) {
         for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
-            dz_sum += partials[(2 * k) * C + c];
-            dzy_sum += partials[(2 * k + 1) * C + c];
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                dz_sum[j] += partials[(2 * k) * C + c0 + j];
+                dzy_sum[j] += partials[(2 * k + 1) * C + c0 + j];
+            }
         }
     }
-    lanes[0][threadIdx.y][threadIdx.x] = dz_sum;
-    lanes[1][threadIdx.y][threadIdx.x] = dzy_sum;
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        lanes[0][threadIdx.y][threadIdx.x * RV + j] = dz_sum[j];
+        lanes[1][threadIdx.y][threadIdx.x * RV + j] = dzy_sum[j];
+    }
     __syncthreads();
-    if (threadIdx.y != 0 || c >= C) return;
-    float total = 0.f, total_y = 0.f;
-    for (int l = 0; l < ROWS_LANES; ++l) {
-        total += lanes[0][l][threadIdx.x];
-        total_y += lanes[1][l][threadIdx.x];
+    if (threadIdx.y != 0 || c0 >= C) return;
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        const int c = c0 + j;
+        float total = 0.f, total_y = 0.f;
+        for (int l = 0; l < ROWS_LANES; ++l) {
+            total += lanes[0][l][threadIdx.x * RV + j];
+            total_y += lanes[1][l][threadIdx.x * RV + j];
+        }
+        if (phase == 0) {
+            partials[(2 * blockIdx.y) * C + c] = total;
+            partials[(2 * blockIdx.y + 1) * C + c] = total_y;
+            continue;
+        }
+        const float invstd = save_invstd[c], m = (float)rows;
+        const float dzx = invstd * total_y;  // sum(dz * xhat)
+        const float g = gamma != nullptr ? gamma[c] : 1.f;
+        if (dgamma != nullptr) dgamma[c] = dzx;
+        if (dbeta != nullptr) dbeta[c] = total;
+        // dy = g*invstd*(dz - dbeta/m - xhat*dgamma/m), xhat = (y - mean)*invstd
+        const float A = g * invstd;
+        coef[c] = A;
+        coef[C + c] = -A * invstd * dzx / m;
+        coef[2 * C + c] = -A * total / m;
     }
-    if (phase == 0) {
-        partials[(2 * blockIdx.y) * C + c] = total;
-        partials[(2 * blockIdx.y + 1) * C + c] = total_y;
-        return;
-    }
-    const float invstd = save_invstd[c], m = (float)rows;
-    const float dzx = invstd * total_y;  // sum(dz * xhat)
-    const float g = gamma != nullptr ? gamma[c] : 1.f;
-    if (dgamma != nullptr) dgamma[c] = dzx;
-    if (dbeta != nullptr) dbeta[c] = total;
-    // dy = g*invstd*(dz - dbeta/m - xhat*dgamma/m), xhat = (y - mean)*invstd
-    const float A = g * invstd;
-    coef[c] = A;
-    coef[C + c] = -A * invstd * dzx / m;
-    coef[2 * C + c] = -A * total / m;
 }
 
 template <typename T, int VEC>
@@ -189,10 +222,13 @@ __global__ void bn_bwd_apply(const T* __restrict__ da, const T* __restrict__ y, 
             for (int j = 0; j < VEC; ++j) g[j] = pre[j] > 0.f ? g[j] : 0.f;
         }
         if (dz_out != nullptr) store<T, VEC>(dz_out, i, g);
-        float out[VEC];
+        float A[VEC], B[VEC], K[VEC], mean[VEC];
+        load<VEC>(coef, c, A);
+        load<VEC>(coef, C + c, B);
+        load<VEC>(coef, 2 * C + c, K);
+        load<VEC>(save_mean, c, mean);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            out[j] = coef[c + j] * g[j] + coef[C + c + j] * (v[j] - save_mean[c + j]) + coef[2 * C + c + j];
-        store<T, VEC>(dy, i, out);
+        for (int j = 0; j < VEC; ++j) g[j] = A[j] * g[j] + B[j] * (v[j] - mean[j]) + K[j];
+        store<T, VEC>(dy, i, g);
     }
 }

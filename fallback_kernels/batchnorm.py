@@ -32,7 +32,7 @@ NULL = 0
 
 def _names(dtype: str) -> dict[str, str]:
     t = CTYPES[dtype]
-    return {"finalize": f"bn_finalize<{t}>", "reduce": f"bn_bwd_reduce<{t}>",
+    return {"finalize": f"bn_finalize<{t}>", **{f"reduce{v}": f"bn_bwd_reduce<{t}, {v}>" for v in (1, 2)},
             **{f"apply{v}": f"bn_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])},
             **{f"bwd_apply{v}": f"bn_bwd_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])}}
 
@@ -86,7 +86,8 @@ class BatchNormKernels:
         n, c = rows * channels, channels
         vec = vector_width(dtype, c)
         grid = max(1, min(-(-n // (BLOCK * vec)), MAX_BLOCKS))
-        tiles = -(-c // TILE)
+        rv = 2 if c % 2 == 0 else 1  # channels a reduction thread owns
+        tiles = -(-c // (TILE * rv))
         self.chunks = -(-rows // CHUNK_ROWS)
         self.partials_bytes = 2 * self.chunks * c * 4
         i32, i64 = ctypes.c_int32, ctypes.c_int64
@@ -96,8 +97,9 @@ class BatchNormKernels:
         self._apply = _Launch(fns[f"apply{vec}"], grid, BLOCK, self._apply_args, device)
         red = [i64(rows), i32(c), i64(CHUNK_ROWS), i64(self.chunks), i32(1)]
         self._reduce_args = ([*_ptrs(12), *red, i32(0)], [*_ptrs(12), *red, i32(1)])
-        self._reduce = (_Launch(fns["reduce"], (tiles, self.chunks), (TILE, LANES), self._reduce_args[0], device),
-                        _Launch(fns["reduce"], tiles, (TILE, LANES), self._reduce_args[1], device))
+        reduce = fns[f"reduce{rv}"]
+        self._reduce = (_Launch(reduce, (tiles, self.chunks), (TILE, LANES), self._reduce_args[0], device),
+                        _Launch(reduce, tiles, (TILE, LANES), self._reduce_args[1], device))
         self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
         self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
 

@@ -164,3 +164,26 @@ def test_eval_mode_and_cpu_run_the_modules():
     with torch.no_grad():
         assert torch.equal(chain(x), block(x))
     assert not chain._plans  # eval never plans
+
+
+def _offset_view(n, c, h, w):
+    """A channels-last float16 tensor whose data starts 2 bytes past an allocation: misaligned."""
+    flat = torch.randn(n * c * h * w + 8, device="cuda", dtype=torch.float16)[1:1 + n * c * h * w]
+    return flat.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def test_misaligned_views_are_copied_not_misread():
+    torch.manual_seed(2)
+    block = Block(c=64, mid=32, k=64).cuda().half().to(memory_format=CL)
+    with torch.no_grad():
+        for bn in block.bns:
+            bn.float()  # float32 BatchNorm parameters: the fused path's (AMP's) case
+    ours, theirs = copy.deepcopy(block), copy.deepcopy(block)
+    chain = ours.chain()
+    x, r, g = _offset_view(4, 64, 12, 12), _offset_view(4, 64, 12, 12), _offset_view(4, 64, 12, 12)
+    assert x.data_ptr() % 16 and x.is_contiguous(memory_format=CL)
+    out, dx, dr = _run(ours, chain, x, r, g, False)
+    t_out, t_dx, t_dr = _run(theirs, None, x, r, g, False)
+    assert chain.status() == "fused", chain.status()
+    for a, b in ((out, t_out), (dx, t_dx), (dr, t_dr)):
+        assert torch.isfinite(a).all() and rel(a, b) < 2e-2

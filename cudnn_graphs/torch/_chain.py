@@ -206,6 +206,16 @@ def _momentum(bn: nn.BatchNorm2d) -> float | None:
     return None if bn.momentum is None else float(bn.momentum)
 
 
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a float16 channels-last tensor whose data starts 16-byte aligned (cuDNN's graphs and the
+    kernels' vector loads assume it; a view at an odd offset is copied)."""
+    if t.dtype != torch.float16 or not t.is_contiguous(memory_format=torch.channels_last):
+        t = t.to(torch.float16, memory_format=torch.channels_last)
+    if t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.channels_last)
+    return t
+
+
 def _cl(shape, device, dtype=torch.float16) -> torch.Tensor:
     return torch.empty(shape, device=device, dtype=dtype, memory_format=torch.channels_last)
 
@@ -224,7 +234,7 @@ class _ChainFunction(torch.autograd.Function):
         device = x.device
         stream = torch._C._cuda_getCurrentRawStream(x.get_device())
         probe = capture_probe("torch", None)
-        x16 = x if x.dtype == torch.float16 else x.to(torch.float16, memory_format=torch.channels_last)
+        x16 = _aligned16(x)
         weights = [p.to(torch.float16, memory_format=torch.channels_last) for p in params[0::3]]
         bufs, inp, prev = [], x16.data_ptr(), None
         for st, plan, w in zip(chain.stages, plans, weights):
@@ -246,9 +256,7 @@ class _ChainFunction(torch.autograd.Function):
             inp, prev = base, (base + plan.scale, base + plan.shift)
         last = plans[-1]
         out = _cl(last.y_shape, device)
-        r = residual
-        if r is not None and r.dtype != torch.float16:
-            r = r.to(torch.float16, memory_format=torch.channels_last)
+        r = None if residual is None else _aligned16(residual)
         last.bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out.data_ptr(), relu=chain.final_relu,
                       residual=_ptr_or_0(r))
         ctx.chain, ctx.plans, ctx.x_dtype = chain, plans, x.dtype
@@ -268,8 +276,7 @@ class _ChainFunction(torch.autograd.Function):
         device = x16.device
         stream = torch._C._cuda_getCurrentRawStream(x16.get_device())
         probe = capture_probe("torch", None)
-        g = grad if grad.dtype == torch.float16 else grad.to(torch.float16)
-        da_t = g.contiguous(memory_format=torch.channels_last)  # keeps da alive while its readers queue
+        da_t = _aligned16(grad)  # the reference keeps da alive while its readers queue
         da = da_t.data_ptr()
         grads: list = [None] * (3 * k)
         dres = dx = None
