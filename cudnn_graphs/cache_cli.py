@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from plan_cache import PlanRecord, PlanStore
+from plan_cache import PlanRecord, PlanStore, redact_url
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
@@ -531,7 +531,7 @@ def _remote(url: str | None):
                     "(the same on every machine that shares it)", 2)
     remote = open_remote(url)
     if remote is None:
-        raise _Exit(f"remote cache {url} could not be set up (the warning above says why)", 2)
+        raise _Exit(f"remote cache {redact_url(url)} could not be set up (the warning above says why)", 2)
     return remote
 
 

@@ -8,7 +8,7 @@ one moved to another key, is refused and counted, never served.
 Failure is never the caller's problem. Every call has a socket timeout; an unreachable, stalled, full or
 garbled server is one warning per kind of trouble, the call returns a miss (or "not written"), and a
 back-off skips the server for `backoff` seconds instead of paying the timeout on every call. The local
-store goes on as if there were no remote.
+store goes on as if there were no remote. URLs are shown with their password hidden (`redact_url`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -31,6 +32,19 @@ MIN_SECRET_BYTES = 16
 _COUNTERS = ("hits", "misses", "puts", "puts_kept_existing", "refused_unsigned", "refused_signature",
              "corrupt", "timeouts", "unreachable", "full", "errors", "skipped_backing_off")
 _PUT_RETRIES = 3  # optimistic transactions lost to concurrent writers before giving up on one put
+_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown: its userinfo and any `password=` parameter replaced by `***` (URLs land in
+    job logs). Everything up to the last '@' goes, so a password holding '/' or '@' goes whole."""
+    url = _PASSWORD_PARAM.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest
 
 
 class RemoteCacheError(CacheError):
@@ -42,7 +56,8 @@ class RemoteStore:
 
     `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `put(record, keep_existing=)` writes
     unless `keep_existing(record, stored)` says the stored one stays, atomically against concurrent
-    writers (WATCH / MULTI). Thread-safe; counters in `stats()`.
+    writers (WATCH / MULTI). Thread-safe; counters in `stats()`. `self.url` is the URL with its password
+    hidden.
     """
 
     def __init__(self, url: str, *, secret: bytes, timeout: float = 0.5, backoff: float = 30.0,
@@ -60,9 +75,9 @@ class RemoteStore:
             self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                                 retry_on_timeout=False, health_check_interval=0)
         except ValueError as err:
-            raise RemoteCacheError(f"remote cache URL {url!r}: {err}") from None
+            raise RemoteCacheError(f"remote cache URL {redact_url(url)!r}: {err}") from None
         self._redis = redis
-        self.url, self.timeout, self.backoff, self.prefix = url, float(timeout), float(backoff), prefix
+        self.url, self.timeout, self.backoff, self.prefix = redact_url(url), float(timeout), float(backoff), prefix
         self._secret = bytes(secret)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
