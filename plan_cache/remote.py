@@ -9,13 +9,14 @@ Failure is never the caller's problem. Every call ends by its deadline (`timeout
 call, name resolution included, however slowly the server answers) and reads no more than a record can be
 (a value's length is asked before the value); an unreachable, stalled, full or garbled server, or a reply
 of the wrong shape, is one warning per kind of trouble, the call returns a miss (or "not written"), and a
-back-off skips the server for `backoff` seconds instead of paying the timeout on every call. A value too
-long for a record is that key's miss, never the server's back-off. The local store goes on as if there
-were no remote. URLs are shown with their password hidden (`redact_url`).
+back-off skips the server for `backoff` seconds instead of paying the timeout on every call. A key's own
+trouble (another type, too long, not signed) is that key's miss, never the server's back-off. The local
+store goes on as if there were no remote. URLs are shown with their password hidden (`redact_url`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -34,7 +35,8 @@ SIG_MAGIC = b"CGSIG1\0\0"
 _SIG_SIZE = hashlib.sha256().digest_size
 MIN_SECRET_BYTES = 16
 _COUNTERS = ("hits", "misses", "puts", "puts_kept_existing", "refused_unsigned", "refused_signature",
-             "corrupt", "too_large", "timeouts", "unreachable", "full", "errors", "skipped_backing_off")
+             "corrupt", "wrong_type", "too_large", "ignored_names", "timeouts", "unreachable", "full", "errors",
+             "skipped_backing_off")
 _PUT_RETRIES = 3  # optimistic transactions lost to concurrent writers before giving up on one put
 _MAX_VALUE = len(SIG_MAGIC) + _SIG_SIZE + MAX_RECORD_BYTES  # the longest value a record can be stored as
 _MAX_NAMES = 1_000_000  # names a listing keeps: a server that never ends its SCAN cannot fill memory
@@ -69,10 +71,11 @@ class RemoteReplyError(CacheError):
 class RemoteStore:
     """Signed plan records on a Redis server at `url` (`redis://host:port/db`, `rediss://`, `unix://`).
 
-    `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `put(record, keep_existing=)` writes
-    unless `keep_existing(record, stored)` says the stored one stays, atomically against concurrent
-    writers (WATCH / MULTI). Each call ends within `timeout` seconds; listing the keys within
-    `list_timeout`. Thread-safe; counters in `stats()`. `self.url` is the URL with its password hidden.
+    `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `fetch(key)` also says which;
+    `put(record, keep_existing=)` writes unless `keep_existing(record, stored)` says the stored one stays,
+    atomically against concurrent writers (WATCH / MULTI). Each call ends within `timeout` seconds; listing
+    the keys within `list_timeout`. Thread-safe; counters in `stats()`. `self.url` is the URL with its
+    password hidden.
     """
 
     def __init__(self, url: str, *, secret: bytes, timeout: float = 0.5, backoff: float = 30.0,
@@ -134,35 +137,45 @@ class RemoteStore:
     # -- the store -----------------------------------------------------------------------------------------
     def get(self, key: str) -> PlanRecord | None:
         """The record stored under `key`, verified (signature, checksum, key), or None."""
+        return self.fetch(key)[0]
+
+    def fetch(self, key: str) -> tuple[PlanRecord | None, str]:
+        """`get(key)`, and what happened: "hit", "miss", "refused" (unsigned, or signed with another key),
+        "corrupt", "wrong_type" (a key holding no string), "too_large" (never downloaded), or "failed" (the
+        server failed, or is skipped while backing off)."""
         name = self.name_of(key)
         value = self._call("get", lambda: self._read(self._client, name))
         if value is _FAILED:
-            return None
+            return None, "failed"
         if isinstance(value, str):
-            self._key_trouble(value)
-            return None
+            return None, self._key_trouble(value)
         data = self._unwrap(name, value)
         if data is None:
-            return None
+            return None, "refused"
         try:
             record = decode(data, expected_key=key).record
         except CorruptRecordError as err:
             self._count("corrupt")
             self._warn_once("corrupt", "remote plan cache %s: a damaged record was refused (%s)", self.url, err)
-            return None
+            return None, "corrupt"
         self._count("hits")
-        return record
+        return record, "hit"
 
     def _read(self, client: Any, name: str) -> bytes | str:
-        """The value under `name`, or why not: "miss", "too_large". Its length is asked first, so a value no
-        record can be is never downloaded."""
-        size = _integer("STRLEN", client.strlen(name))
-        if size == 0:  # no such key (or an empty string, which is no record either)
-            return "miss"
-        if size > _MAX_VALUE:
-            return "too_large"
-        self._io.allow(size)
-        value = client.get(name)
+        """The value under `name`, or why not: "miss", "wrong_type", "too_large". Its length is asked first,
+        so a value no record can be is never downloaded."""
+        try:
+            size = _integer("STRLEN", client.strlen(name))
+            if size == 0:  # no such key (or an empty string, which is no record either)
+                return "miss"
+            if size > _MAX_VALUE:
+                return "too_large"
+            self._io.allow(size)
+            value = client.get(name)
+        except self._redis.ResponseError as err:
+            if str(err).startswith("WRONGTYPE"):  # a planted key of another type: its trouble, not the server's
+                return "wrong_type"
+            raise
         if value is None:
             return "miss"  # deleted between the two commands
         if not isinstance(value, bytes):
@@ -172,6 +185,10 @@ class RemoteStore:
     def _key_trouble(self, outcome: str) -> str:
         if outcome == "miss":
             self._count("misses")
+        elif outcome == "wrong_type":
+            self._count("wrong_type")
+            self._warn_once("wrong_type", "remote plan cache %s: a key holding another type than a string was "
+                            "skipped", self.url)
         else:
             self._count("too_large")
             self._warn_once("too_large", "remote plan cache %s: a value longer than any record (%d bytes) was "
@@ -218,12 +235,16 @@ class RemoteStore:
             return None  # a damaged record is replaced, never kept
 
     def keys(self) -> Iterator[str]:
-        """The keys of every record on the server under this store's prefix (empty when unreachable)."""
+        """The keys of every record on the server under this store's prefix (empty when unreachable). Names
+        there that are no record key (planted, or another program's) are skipped, counted in `ignored_names`."""
         head = f"{self.prefix}:v{FORMAT_VERSION}:".encode()
         names = self._call("scan", lambda: self._scan(head + b"*"), seconds=self.list_timeout)
         if names is _FAILED:
             return iter(())
-        return iter(sorted({name.decode(errors="replace")[len(head):] for name in names}))
+        names = set(names)  # SCAN may name a key twice
+        keys = {key for key in map(functools.partial(_key_of, head), names) if key is not None}
+        self._count("ignored_names", len(names) - len(keys))
+        return iter(sorted(keys))
 
     def _scan(self, pattern: bytes) -> list:
         names: list = []
@@ -241,11 +262,19 @@ class RemoteStore:
             if cursor == 0:
                 return names
 
+    def counters(self) -> dict[str, int]:
+        """This process's counters (no call to the server)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def backing_off(self) -> bool:
+        """Whether the server failed lately and calls are being skipped."""
+        return time.monotonic() < self._down_until
+
     def stats(self) -> dict[str, Any]:
         """This process's counters, plus what the server says (records under the prefix, memory) when reachable."""
         info = self._call("info", lambda: _mapping("INFO", self._client.info("memory")))
-        with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+        out: dict[str, Any] = self.counters()
         out["url"] = self.url
         out["reachable"] = info is not _FAILED
         if info is not _FAILED:
@@ -298,9 +327,9 @@ class RemoteStore:
             self._warned.add(kind)
         log.warning(message, *args)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[name] += 1
+            self._counts[name] += n
 
 
 _FAILED = object()
@@ -316,6 +345,16 @@ def _mapping(command: str, reply: Any) -> dict:
     if not isinstance(reply, dict):
         raise RemoteReplyError(command, _not("a mapping", reply))
     return reply
+
+
+def _key_of(head: bytes, name: bytes) -> str | None:
+    """The record key a listed name stands for, or None for a name that is none (planted, or not ours)."""
+    if not name.startswith(head):
+        return None
+    try:
+        return validate_key(name[len(head):].decode("ascii"))
+    except (UnicodeDecodeError, ValueError, TypeError):
+        return None
 
 
 def _not(expected: str, reply: Any) -> str:

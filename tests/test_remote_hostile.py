@@ -16,7 +16,7 @@ import pytest
 import cudnn_graphs as cg
 from cudnn_graphs import config
 from cudnn_graphs.cache import stores as stores_mod
-from plan_cache import PlanStore, RemoteCacheError, RemoteStore
+from plan_cache import FORMAT_VERSION, PlanRecord, PlanStore, RemoteCacheError, RemoteStore
 from plan_cache.record import MAX_RECORD_BYTES
 from plan_cache import remote as remote_mod
 
@@ -231,3 +231,40 @@ def test_a_scan_that_never_ends_is_cut_off():
         assert time.monotonic() - start < 1.5 and remote.stats()["timeouts"] == 1
     finally:
         srv.close()
+
+
+# -- item 7: planted keys --------------------------------------------------------------------------------------
+def _plant(server, remote):
+    records = _records()
+    for rec in records:
+        assert remote.put(rec)
+    raw = _raw(server.url)
+    prefix = f"cudnn-graphs:v{FORMAT_VERSION}:"
+    raw.hset(prefix + "0", "field", "value")  # a valid key name (sorts first) holding a hash: WRONGTYPE
+    raw.set(prefix + "../../etc/passwd", b"x")  # not a valid key
+    raw.set(prefix.encode() + b"\xff\xfe", b"x")  # not even UTF-8
+    return records
+
+
+def test_a_key_of_the_wrong_type_stays_a_per_key_miss(server, caplog):
+    remote = RemoteStore(server.url, secret=SECRET, timeout=0.5)
+    records = _plant(server, remote)
+    with caplog.at_level(logging.WARNING, logger="plan_cache"):
+        assert remote.get("0") is None
+        assert all(remote.get(rec.key) is not None for rec in records), "one planted key backed the remote off"
+        assert remote.put(_record(blob=b"other"))
+    stats = remote.stats()
+    assert (stats["wrong_type"], stats["errors"], stats["skipped_backing_off"]) == (1, 0, 0)
+    assert sorted(remote.keys()) == sorted(["0", *(r.key for r in records)])
+    assert remote.stats()["ignored_names"] == 2
+    rec = records[0]
+    assert remote.put(PlanRecord("0", rec.blob, rec.meta), keep_existing=lambda new, old: True)  # replaced
+    assert remote.get("0").blob == rec.blob and remote.stats()["errors"] == 0
+
+
+def test_pull_with_planted_keys_pulls_every_valid_record(server, tmp_path):
+    records = _plant(server, RemoteStore(server.url, secret=SECRET))
+    out = _cli("cache", "pull", "--all", "--cache", str(tmp_path / "b"), env=_env(server.url))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert sorted(PlanStore(tmp_path / "b").keys()) == sorted(r.key for r in records)
+    assert "refused" not in out.stdout and "not a plan record" in out.stdout, out.stdout
