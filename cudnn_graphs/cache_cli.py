@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from plan_cache import PlanRecord, PlanStore
+from plan_cache import PlanRecord, PlanStore, redact_url
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
@@ -531,7 +531,7 @@ def _remote(url: str | None):
                     "(the same on every machine that shares it)", 2)
     remote = open_remote(url)
     if remote is None:
-        raise _Exit(f"remote cache {url} could not be set up (the warning above says why)", 2)
+        raise _Exit(f"remote cache {redact_url(url)} could not be set up (the warning above says why)", 2)
     return remote
 
 
@@ -557,15 +557,21 @@ def _push(store: PlanStore, args) -> int:
     return 0
 
 
+_NOT_PULLED = {"refused": "refused: unsigned or signed with another key", "corrupt": "refused: damaged",
+               "wrong_type": "skipped: not a plan record (another type, or too large)",
+               "too_large": "skipped: not a plan record (another type, or too large)",
+               "miss": "skipped: deleted while pulling", "failed": "not read: the remote failed (see the warning)"}
+
+
 def _pull(store: PlanStore, args) -> int:
     remote = _remote(args.remote)
     _reachable(remote)
     env = None if args.all else environment(args.device)
     counts = Counter()
-    for key in remote.keys():
-        record = remote.get(key)
+    for key in _listed_keys(remote, counts):
+        record, outcome = remote.fetch(key)
         if record is None:
-            counts["refused: unsigned, signed with another key, or damaged"] += 1
+            counts[_NOT_PULLED[outcome]] += 1
         elif not importable(record, env):
             counts["skipped: for another environment, made with no GPU, or a key not its own"] += 1
         elif store.put(record, keep_existing=functools.partial(keep_stored, record)):
@@ -573,7 +579,20 @@ def _pull(store: PlanStore, args) -> int:
         else:
             counts["kept the local record (it was autotuned)"] += 1
     print(_table(["PULL", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pulled", 0]], right=(1,)))
-    return 0
+    return 1 if counts[_NOT_PULLED["failed"]] else 0
+
+
+def _listed_keys(remote, counts: Counter) -> list[str]:
+    """The remote's record keys; names there that are no plan key (planted, or another program's) are
+    counted in `counts`, each on its own, never fatal."""
+    before = remote.counters()["ignored_names"]
+    keys = list(remote.keys())
+    if remote.backing_off():
+        raise _Exit(f"remote cache {remote.url}: listing its records failed (the warning above says why)", 1)
+    ignored = remote.counters()["ignored_names"] - before
+    if ignored:
+        counts["skipped: a name that is no plan key"] += ignored
+    return keys
 
 
 def _remote_stats(args) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from plan_cache import redact_url
+
 from .errors import ConfigError
 
 CACHE_DIR = "CUDNN_GRAPHS_CACHE_DIR"
@@ -152,7 +154,7 @@ def remote_cache_url() -> str | None:
     if raw is None or raw.strip() == "":
         return None
     if not raw.strip().startswith(REMOTE_SCHEMES):
-        raise ConfigError(REMOTE_CACHE, raw, f"expected a URL starting with one of {list(REMOTE_SCHEMES)}, "
+        raise ConfigError(REMOTE_CACHE, redact_url(raw), f"expected a URL starting with one of {list(REMOTE_SCHEMES)}, "
                           "e.g. redis://cache-host:6379/0")
     return raw.strip()
 
@@ -232,4 +234,5 @@ def describe() -> dict[str, str | None]:
     shown = {name: _raw(name) for name in (CACHE_DIR, MEMORY_CACHE_SIZE, DISABLE_CACHE, CACHE_MAX_BYTES, RECORD,
                                            POLICY, SYSTEM_CACHE_DIR, REMOTE_CACHE, REMOTE_KEY_FILE, REMOTE_TIMEOUT)}
     shown[REMOTE_KEY] = None if _raw(REMOTE_KEY) is None else "<set, hidden>"  # a secret never goes in a report
+    shown[REMOTE_CACHE] = None if shown[REMOTE_CACHE] is None else redact_url(shown[REMOTE_CACHE])  # nor a password
     return shown

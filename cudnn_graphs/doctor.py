@@ -6,6 +6,8 @@ import os
 import stat
 from typing import Callable
 
+from plan_cache import redact_url
+
 from . import config
 from .environment import environment, gpu_problem
 
@@ -97,18 +99,19 @@ def _remote(args) -> tuple[str, str]:
     url = config.remote_cache_url()
     if url is None:
         return "ok", f"off (set {config.REMOTE_CACHE}=redis://host:port/db to share plans across machines)"
+    shown = redact_url(url)  # a password in the URL stays out of job logs
     if config.remote_cache_key() is None:
-        return "warn", (f"{url} is off: no signing key. Fix: set {config.REMOTE_KEY} or {config.REMOTE_KEY_FILE} "
+        return "warn", (f"{shown} is off: no signing key. Fix: set {config.REMOTE_KEY} or {config.REMOTE_KEY_FILE} "
                         "(a file only you can read), the same secret on every machine")
     from .cache import open_remote
 
     remote = open_remote(url)
     if remote is None:
-        return "FAIL", f"{url} could not be set up (the warning above says why); pip install 'cudnn-graphs[remote]'"
+        return "FAIL", f"{shown} could not be set up (the warning above says why); pip install 'cudnn-graphs[remote]'"
     stats = remote.stats()
     if not stats["reachable"]:
-        return "warn", f"{url} is not reachable now; sessions go on from the local cache"
-    return "ok", f"{url}: {len(list(remote.keys()))} records; read after the local cache, written through"
+        return "warn", f"{shown} is not reachable now; sessions go on from the local cache"
+    return "ok", f"{shown}: {len(list(remote.keys()))} records; read after the local cache, written through"
 
 
 _CHECKS: list[tuple[str, Callable]] = [("GPU", _gpu), ("libcudnn", _cudnn), ("frontend", _frontend),

@@ -10,8 +10,9 @@ a GPU or the cuDNN frontend.
 from .bundle import CorruptBundleError, ImportReport, export_bundle, import_bundle
 from .errors import CacheError, CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, PlanRecord
-from .remote import RemoteCacheError, RemoteStore
+from .remote import RemoteCacheError, RemoteStore, redact_url
 from .store import PlanStore
 
 __all__ = ["FORMAT_VERSION", "CacheError", "CorruptBundleError", "CorruptRecordError", "ImportReport", "PlanRecord",
-           "PlanStore", "RemoteCacheError", "RemoteStore", "UntrustedCacheError", "export_bundle", "import_bundle"]
+           "PlanStore", "RemoteCacheError", "RemoteStore", "UntrustedCacheError", "export_bundle", "import_bundle",
+           "redact_url"]

@@ -5,17 +5,23 @@ the same self-checking bytes a local store file holds. The HMAC covers the Redis
 under a secret the fleet shares: a plan loads native code, so a record nobody with the secret wrote, or
 one moved to another key, is refused and counted, never served.
 
-Failure is never the caller's problem. Every call has a socket timeout; an unreachable, stalled, full or
-garbled server is one warning per kind of trouble, the call returns a miss (or "not written"), and a
-back-off skips the server for `backoff` seconds instead of paying the timeout on every call. The local
-store goes on as if there were no remote.
+Failure is never the caller's problem. Every call ends by its deadline (`timeout` seconds for the whole
+call, name resolution included, however slowly the server answers) and reads no more than a record can be
+(a value's length is asked before the value); an unreachable, stalled, full or garbled server, or a reply
+of the wrong shape, is one warning per kind of trouble, the call returns a miss (or "not written"), and a
+back-off skips the server for `backoff` seconds instead of paying the timeout on every call. A key's own
+trouble (another type, too long, not signed) is that key's miss, never the server's back-off. The local
+store goes on as if there were no remote. URLs are shown with their password hidden (`redact_url`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
+import re
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -29,40 +35,71 @@ SIG_MAGIC = b"CGSIG1\0\0"
 _SIG_SIZE = hashlib.sha256().digest_size
 MIN_SECRET_BYTES = 16
 _COUNTERS = ("hits", "misses", "puts", "puts_kept_existing", "refused_unsigned", "refused_signature",
-             "corrupt", "timeouts", "unreachable", "full", "errors", "skipped_backing_off")
+             "corrupt", "wrong_type", "too_large", "ignored_names", "timeouts", "unreachable", "full", "errors",
+             "skipped_backing_off")
 _PUT_RETRIES = 3  # optimistic transactions lost to concurrent writers before giving up on one put
+_MAX_VALUE = len(SIG_MAGIC) + _SIG_SIZE + MAX_RECORD_BYTES  # the longest value a record can be stored as
+_MAX_NAMES = 1_000_000  # names a listing keeps: a server that never ends its SCAN cannot fill memory
+_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown: its userinfo and any `password=` parameter replaced by `***` (URLs land in
+    job logs). Everything up to the last '@' goes, so a password holding '/' or '@' goes whole."""
+    url = _PASSWORD_PARAM.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest
 
 
 class RemoteCacheError(CacheError):
     """The remote store cannot be set up (a bad URL, no `redis` package, a secret too short)."""
 
 
+class RemoteReplyError(CacheError):
+    """The server's reply to `command` is not what Redis answers (a proxy or another RESP service), or is
+    longer than the call may read. A remote error like any other: one warning, then the back-off."""
+
+    def __init__(self, command: str, detail: str):
+        self.command, self.detail = command, detail
+        super().__init__(f"the reply to {command} {detail}")
+
+
 class RemoteStore:
     """Signed plan records on a Redis server at `url` (`redis://host:port/db`, `rediss://`, `unix://`).
 
-    `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `put(record, keep_existing=)` writes
-    unless `keep_existing(record, stored)` says the stored one stays, atomically against concurrent
-    writers (WATCH / MULTI). Thread-safe; counters in `stats()`.
+    `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `fetch(key)` also says which;
+    `put(record, keep_existing=)` writes unless `keep_existing(record, stored)` says the stored one stays,
+    atomically against concurrent writers (WATCH / MULTI). Each call ends within `timeout` seconds; listing
+    the keys within `list_timeout`. Thread-safe; counters in `stats()`. `self.url` is the URL with its
+    password hidden.
     """
 
     def __init__(self, url: str, *, secret: bytes, timeout: float = 0.5, backoff: float = 30.0,
-                 prefix: str = "cudnn-graphs"):
+                 prefix: str = "cudnn-graphs", list_timeout: float = 30.0):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise RemoteCacheError(f"the remote cache's secret must be at least {MIN_SECRET_BYTES} bytes")
         if not (isinstance(timeout, (int, float)) and 0 < timeout <= 60):
             raise RemoteCacheError(f"timeout={timeout!r}: expected seconds in (0, 60]")
+        if not (isinstance(list_timeout, (int, float)) and 0 < list_timeout <= 3600):
+            raise RemoteCacheError(f"list_timeout={list_timeout!r}: expected seconds in (0, 3600]")
         try:
             import redis
+
+            from . import _redis_io
         except ImportError:
             raise RemoteCacheError("the remote cache needs the redis client: pip install 'cudnn-graphs[remote]'") \
                 from None
         try:
-            self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                                retry_on_timeout=False, health_check_interval=0)
-        except ValueError as err:
-            raise RemoteCacheError(f"remote cache URL {url!r}: {err}") from None
-        self._redis = redis
-        self.url, self.timeout, self.backoff, self.prefix = url, float(timeout), float(backoff), prefix
+            self._client = _redis_io.client(url, timeout)
+        except (ValueError, TypeError) as err:
+            raise RemoteCacheError(f"remote cache URL {redact_url(url)!r}: {err}") from None
+        self._redis, self._io = redis, _redis_io
+        self.url, self.timeout, self.backoff, self.prefix = redact_url(url), float(timeout), float(backoff), prefix
+        self.list_timeout = float(list_timeout)
         self._secret = bytes(secret)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
@@ -100,27 +137,63 @@ class RemoteStore:
     # -- the store -----------------------------------------------------------------------------------------
     def get(self, key: str) -> PlanRecord | None:
         """The record stored under `key`, verified (signature, checksum, key), or None."""
+        return self.fetch(key)[0]
+
+    def fetch(self, key: str) -> tuple[PlanRecord | None, str]:
+        """`get(key)`, and what happened: "hit", "miss", "refused" (unsigned, or signed with another key),
+        "corrupt", "wrong_type" (a key holding no string), "too_large" (never downloaded), or "failed" (the
+        server failed, or is skipped while backing off)."""
         name = self.name_of(key)
-        value = self._call("get", lambda: self._client.get(name))
+        value = self._call("get", lambda: self._read(self._client, name))
         if value is _FAILED:
-            return None
-        if value is None:
-            self._count("misses")
-            return None
-        if len(value) > MAX_RECORD_BYTES + 64:
-            self._count("corrupt")
-            return None
-        data = self._unwrap(name, bytes(value))
+            return None, "failed"
+        if isinstance(value, str):
+            return None, self._key_trouble(value)
+        data = self._unwrap(name, value)
         if data is None:
-            return None
+            return None, "refused"
         try:
             record = decode(data, expected_key=key).record
         except CorruptRecordError as err:
             self._count("corrupt")
             self._warn_once("corrupt", "remote plan cache %s: a damaged record was refused (%s)", self.url, err)
-            return None
+            return None, "corrupt"
         self._count("hits")
-        return record
+        return record, "hit"
+
+    def _read(self, client: Any, name: str) -> bytes | str:
+        """The value under `name`, or why not: "miss", "wrong_type", "too_large". Its length is asked first,
+        so a value no record can be is never downloaded."""
+        try:
+            size = _integer("STRLEN", client.strlen(name))
+            if size == 0:  # no such key (or an empty string, which is no record either)
+                return "miss"
+            if size > _MAX_VALUE:
+                return "too_large"
+            self._io.allow(size)
+            value = client.get(name)
+        except self._redis.ResponseError as err:
+            if str(err).startswith("WRONGTYPE"):  # a planted key of another type: its trouble, not the server's
+                return "wrong_type"
+            raise
+        if value is None:
+            return "miss"  # deleted between the two commands
+        if not isinstance(value, bytes):
+            raise RemoteReplyError("GET", _not("a string", value))
+        return value
+
+    def _key_trouble(self, outcome: str) -> str:
+        if outcome == "miss":
+            self._count("misses")
+        elif outcome == "wrong_type":
+            self._count("wrong_type")
+            self._warn_once("wrong_type", "remote plan cache %s: a key holding another type than a string was "
+                            "skipped", self.url)
+        else:
+            self._count("too_large")
+            self._warn_once("too_large", "remote plan cache %s: a value longer than any record (%d bytes) was "
+                            "skipped unread", self.url, _MAX_VALUE)
+        return outcome
 
     def put(self, record: PlanRecord, *, keep_existing: Callable[[PlanRecord, PlanRecord], bool] | None = None) -> bool:
         """Store `record` unless `keep_existing(record, stored)` keeps a verified stored one; True when
@@ -141,8 +214,8 @@ class RemoteStore:
             with self._client.pipeline(transaction=True) as pipe:
                 try:
                     pipe.watch(name)
-                    stored = pipe.get(name) if keep_existing is not None else None
-                    old = self._verified(name, record.key, stored) if stored is not None else None
+                    stored = self._read(pipe, name) if keep_existing is not None else None
+                    old = self._verified(name, record.key, stored) if isinstance(stored, bytes) else None
                     if old is not None and keep_existing(record, old):
                         self._count("puts_kept_existing")
                         return False
@@ -162,19 +235,46 @@ class RemoteStore:
             return None  # a damaged record is replaced, never kept
 
     def keys(self) -> Iterator[str]:
-        """The keys of every record on the server under this store's prefix (empty when unreachable)."""
-        pattern = f"{self.prefix}:v{FORMAT_VERSION}:*"
-        names = self._call("scan", lambda: list(self._client.scan_iter(match=pattern, count=500)))
+        """The keys of every record on the server under this store's prefix (empty when unreachable). Names
+        there that are no record key (planted, or another program's) are skipped, counted in `ignored_names`."""
+        head = f"{self.prefix}:v{FORMAT_VERSION}:".encode()
+        names = self._call("scan", lambda: self._scan(head + b"*"), seconds=self.list_timeout)
         if names is _FAILED:
             return iter(())
-        head = len(pattern) - 1
-        return iter(sorted(n.decode(errors="replace")[head:] for n in names))
+        names = set(names)  # SCAN may name a key twice
+        keys = {key for key in map(functools.partial(_key_of, head), names) if key is not None}
+        self._count("ignored_names", len(names) - len(keys))
+        return iter(sorted(keys))
+
+    def _scan(self, pattern: bytes) -> list:
+        names: list = []
+        cursor = 0
+        while True:
+            with self._io.limits(self.timeout):  # each page within a call's time too
+                reply = self._client.scan(cursor, match=pattern, count=500)
+            if not (isinstance(reply, (tuple, list)) and len(reply) == 2 and isinstance(reply[1], list)
+                    and all(isinstance(name, bytes) for name in reply[1])):
+                raise RemoteReplyError("SCAN", _not("a cursor and a list of names", reply))
+            cursor = _integer("SCAN", reply[0])
+            names.extend(reply[1])
+            if len(names) > _MAX_NAMES:
+                raise RemoteReplyError("SCAN", f"names more than {_MAX_NAMES} keys")
+            if cursor == 0:
+                return names
+
+    def counters(self) -> dict[str, int]:
+        """This process's counters (no call to the server)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def backing_off(self) -> bool:
+        """Whether the server failed lately and calls are being skipped."""
+        return time.monotonic() < self._down_until
 
     def stats(self) -> dict[str, Any]:
         """This process's counters, plus what the server says (records under the prefix, memory) when reachable."""
-        with self._lock:
-            out: dict[str, Any] = dict(self._counts)
-        info = self._call("info", lambda: self._client.info("memory"))
+        info = self._call("info", lambda: _mapping("INFO", self._client.info("memory")))
+        out: dict[str, Any] = self.counters()
         out["url"] = self.url
         out["reachable"] = info is not _FAILED
         if info is not _FAILED:
@@ -183,19 +283,20 @@ class RemoteStore:
         return out
 
     # -- failure handling ----------------------------------------------------------------------------------
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[], Any], *, seconds: float | None = None) -> Any:
         if time.monotonic() < self._down_until:
             self._count("skipped_backing_off")
             return _FAILED
         try:
-            return fn()
-        except self._redis.RedisError as err:
+            with self._io.limits(self.timeout if seconds is None else seconds):
+                return fn()
+        except Exception as err:  # whatever a stranger's reply makes the client raise is the server's trouble
             self._failed(what, err)
             return _FAILED
 
     def _failed(self, what: str, err: Exception) -> None:
         redis = self._redis
-        if isinstance(err, redis.TimeoutError):
+        if isinstance(err, (redis.TimeoutError, socket.timeout)):
             kind, pause = "timeouts", True
         elif isinstance(err, redis.ConnectionError):
             kind, pause = "unreachable", True
@@ -208,9 +309,16 @@ class RemoteStore:
         self._count(kind)
         if pause:
             self._down_until = time.monotonic() + self.backoff
+            self._disconnect()
         skipped = "the remote is skipped" if pause else "writes to the remote are skipped"
         self._warn_once(kind, "remote plan cache %s: %s failed (%s: %s); the local cache goes on, %s for %.0f s",
-                        self.url, what, type(err).__name__, err, skipped, self.backoff)
+                        self.url, what, type(err).__name__, _shown(err), skipped, self.backoff)
+
+    def _disconnect(self) -> None:
+        try:  # a connection that took a reply of the wrong shape may hold the rest of it: start afresh
+            self._client.connection_pool.disconnect()
+        except Exception:  # closing what is broken may fail too; nothing is left to do then
+            pass
 
     def _warn_once(self, kind: str, message: str, *args: Any) -> None:
         with self._lock:
@@ -219,9 +327,41 @@ class RemoteStore:
             self._warned.add(kind)
         log.warning(message, *args)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[name] += 1
+            self._counts[name] += n
 
 
 _FAILED = object()
+
+
+def _integer(command: str, reply: Any) -> int:
+    if isinstance(reply, bool) or not isinstance(reply, int) or reply < 0:
+        raise RemoteReplyError(command, _not("a count", reply))
+    return reply
+
+
+def _mapping(command: str, reply: Any) -> dict:
+    if not isinstance(reply, dict):
+        raise RemoteReplyError(command, _not("a mapping", reply))
+    return reply
+
+
+def _key_of(head: bytes, name: bytes) -> str | None:
+    """The record key a listed name stands for, or None for a name that is none (planted, or not ours)."""
+    if not name.startswith(head):
+        return None
+    try:
+        return validate_key(name[len(head):].decode("ascii"))
+    except (UnicodeDecodeError, ValueError, TypeError):
+        return None
+
+
+def _not(expected: str, reply: Any) -> str:
+    return f"is not {expected} but {type(reply).__name__} {_shown(repr(reply))[:60]}"
+
+
+def _shown(value: Any) -> str:
+    """A server's words as one short printable line: they reach job logs and terminals."""
+    text = str(value)
+    return (text if text.isprintable() else ascii(text))[:200]

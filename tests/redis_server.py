@@ -61,7 +61,7 @@ class Server:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # -NOAUTH: up, with --requirepass
                         return
             except OSError:
                 time.sleep(0.05)

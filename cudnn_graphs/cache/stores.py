@@ -57,7 +57,7 @@ def open_remote(remote: Any = None):
     `plan_cache.RemoteStore` used as is. Without a signing key the tier stays off with one warning:
     records from a remote load native code, so unsigned sharing is not offered.
     """
-    from plan_cache import RemoteCacheError, RemoteStore
+    from plan_cache import RemoteCacheError, RemoteStore, redact_url
 
     if remote is False:
         return None
@@ -70,8 +70,8 @@ def open_remote(remote: Any = None):
         return None
     secret = config.remote_cache_key()
     if secret is None:
-        _warn_once(("nokey", url), "remote plan cache %s is off: no signing key ($%s or $%s)", url, config.REMOTE_KEY,
-                   config.REMOTE_KEY_FILE)
+        _warn_once(("nokey", url), "remote plan cache %s is off: no signing key ($%s or $%s)", redact_url(url),
+                   config.REMOTE_KEY, config.REMOTE_KEY_FILE)
         return None
     slot = (url, secret, config.remote_cache_timeout())
     store = _remotes.get(slot)
@@ -79,7 +79,7 @@ def open_remote(remote: Any = None):
         try:
             store = _remotes.setdefault(slot, RemoteStore(url, secret=secret, timeout=slot[2]))
         except RemoteCacheError as err:
-            _warn_once(("setup", url), "remote plan cache %s is off: %s", url, err)
+            _warn_once(("setup", url), "remote plan cache %s is off: %s", redact_url(url), err)
             return None
     return store
 
