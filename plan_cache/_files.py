@@ -1,14 +1,27 @@
-"""Durable whole-file writes: a temp file in the target's directory, fsync, os.replace, fsync of the directory."""
+"""Durable whole-file writes (a temp file in the target's directory, fsync, os.replace, fsync of the
+directory), and lock files that are never followed through a link."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
+import time
 from pathlib import Path
+
+from .errors import NotRegularFileError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; callers fall back to a soft lock
+    fcntl = None
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 O_BINARY = getattr(os, "O_BINARY", 0)
+O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
 def write_atomic(path: Path, data: bytes, *, temp: Path, mode: int, extra_flags: int = 0) -> None:
@@ -26,6 +39,11 @@ def write_atomic(path: Path, data: bytes, *, temp: Path, mode: int, extra_flags:
             os.unlink(temp)
         raise
     fsync_dir(path.parent)
+
+
+def file_kind(mode: int) -> str:
+    """'a FIFO', 'a directory' ...: what a file of this st_mode is, for messages."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -49,3 +67,60 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class NoFollowLock:
+    """An exclusive flock(2) on the file `path`, for `with` or acquire()/release().
+
+    The lock file is opened O_NOFOLLOW and never truncated: a symbolic link planted at `path` is refused
+    (ELOOP), where filelock 3.13-3.20.0 emptied the link's target (CVE-2025-68146), whatever filelock
+    version is installed. acquire() raises TimeoutError when another holder keeps it `timeout` seconds,
+    NotImplementedError where there is no flock, and OSError when the file cannot be opened or locked.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float):
+        self.lock_file = os.fspath(path)
+        self.timeout = timeout
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if fcntl is None:
+            raise NotImplementedError("no fcntl.flock on this platform")
+        # O_NONBLOCK: a FIFO planted at the path must not block the open
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0o600)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotRegularFileError(self.lock_file, file_kind(mode))
+            _flock_within(fd, self.timeout, self.lock_file)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of this open file drops its flock
+
+    def __enter__(self) -> NoFollowLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _flock_within(fd: int, timeout: float, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:  # held by another open file, in this process or another
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"lock {name} still held by another process after {timeout:.1f} s") from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)

@@ -40,3 +40,20 @@ class UntrustedCacheError(CacheError, PermissionError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.reason))
+
+
+class NotRegularFileError(CacheError, OSError):
+    """A file about to be replaced exists and is not a regular file (a FIFO, a device, a directory, a
+    link): replacing it would swap a device node or a pipe for a plain file, so it is refused."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str):
+        self.path = os.fspath(path)
+        self.kind = kind
+        super().__init__(errno.EEXIST, f"{self.path} exists and is {kind}, not a regular file; not replaced",
+                         self.path)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.kind))

@@ -6,7 +6,8 @@ Layout under `root` (every directory mode 0o700, every file 0o600):
     root/v1/<key[:2]>/.tmp-<host>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept
                                       at the next scan when that pid is gone from this host, else once stale
     root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
-    root/.evict.lock                  FileLock held only while evicting (.evict.softlock where flock fails)
+    root/.evict.lock                  flock held only while evicting (.evict.softlock where flock fails)
+    root/.write.lock                  flock held by conditional puts (read-compare-replace)
 
 Parts, in order: trust checks, reading (get), writing (put), eviction, maintenance (verify, delete, clear).
 Concurrency model: readers and writers take no lock. A write goes to a unique temp file in the record's own
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._files import write_atomic
+from ._files import NoFollowLock, write_atomic
 from .errors import CorruptRecordError, UntrustedCacheError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
 
@@ -486,16 +487,14 @@ class PlanStore:
             if lock is not None:
                 lock.release()
 
-    def _acquire_lock(self, name: str) -> filelock.BaseFileLock | None:
-        import filelock  # only writers lock: a process that only reads plans never imports it
-
+    def _acquire_lock(self, name: str) -> NoFollowLock | filelock.BaseFileLock | None:
         if not self._use_soft_lock:
-            lock = filelock.FileLock(os.fspath(self._root / f"{name}.lock"), timeout=self._lock_timeout)
+            lock = NoFollowLock(self._root / f"{name}.lock", timeout=self._lock_timeout)
             try:
                 lock.acquire()
                 return lock
-            except filelock.Timeout:  # before OSError: Timeout is a TimeoutError
-                return self._lock_timed_out(lock)
+            except TimeoutError:  # before OSError: TimeoutError is an OSError
+                return self._lock_timed_out(name, lock.lock_file)
             except (NotImplementedError, OSError) as err:
                 if isinstance(err, OSError) and err.errno not in _NO_FLOCK:
                     # EACCES, EROFS, ENOSPC...: this attempt fails, the next one tries flock again
@@ -504,19 +503,21 @@ class PlanStore:
                 # No flock here (some network filesystems): an exclusively created lock file still serialises.
                 logger.info("plan cache: file locks unsupported under %s (%s); using a soft lock", self._root, err)
                 self._use_soft_lock = True
+        import filelock  # only writers on a filesystem without flock: a reader never imports it
+
         lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=self._lock_timeout)
         try:
             lock.acquire()
             return lock
-        except filelock.Timeout:
-            return self._lock_timed_out(lock)
+        except filelock.Timeout:  # a TimeoutError
+            return self._lock_timed_out(name, lock.lock_file)
         except OSError as err:  # a read-only or full disk: no lock this time
             logger.warning("plan cache: cannot take lock %s (%s); going on without it", name, err)
             return None
 
-    def _lock_timed_out(self, lock: filelock.BaseFileLock) -> None:
-        what = "eviction skipped this time" if ".evict" in lock.lock_file else "going on without it"
-        logger.warning("plan cache: lock %s not acquired in %.1f s; %s", lock.lock_file, self._lock_timeout, what)
+    def _lock_timed_out(self, name: str, path: str) -> None:
+        what = "eviction skipped this time" if name == ".evict" else "going on without it"
+        logger.warning("plan cache: lock %s not acquired in %.1f s; %s", path, self._lock_timeout, what)
         return None
 
     def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:

@@ -212,9 +212,9 @@ def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_pat
 def test_a_lock_refused_once_does_not_turn_the_store_to_soft_locks(store, monkeypatch, caplog):
     import errno
 
-    import filelock
+    from plan_cache._files import NoFollowLock
 
-    real_acquire = filelock.FileLock.acquire
+    real_acquire = NoFollowLock.acquire
     calls = []
 
     def refuse_once(self, *args, **kwargs):
@@ -223,7 +223,7 @@ def test_a_lock_refused_once_does_not_turn_the_store_to_soft_locks(store, monkey
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_acquire(self, *args, **kwargs)
 
-    monkeypatch.setattr(filelock.FileLock, "acquire", refuse_once)
+    monkeypatch.setattr(NoFollowLock, "acquire", refuse_once)
     with caplog.at_level(logging.WARNING, logger="plan_cache"):
         assert store.prune(1 << 30) == 0  # no lock this time: nothing evicted, a warning
         store.prune(1 << 30)
