@@ -186,6 +186,7 @@ class PlanStore:
         self._records = self._root / f"v{FORMAT_VERSION}"
         self._quarantine = self._root / "quarantine"
         self._use_soft_lock = False
+        self._stuck: set[str] = set()  # locks that timed out: tried without waiting until acquired again
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts_lock = threading.Lock()
         self._read_only = bool(read_only)
@@ -488,10 +489,14 @@ class PlanStore:
                 lock.release()
 
     def _acquire_lock(self, name: str) -> NoFollowLock | filelock.BaseFileLock | None:
+        # A lock that timed out once (its holder stopped or hung) is only tried, not waited for, until it is
+        # acquired again: otherwise every conditional put would wait the whole timeout, every time.
+        timeout = 0.0 if name in self._stuck else self._lock_timeout
         if not self._use_soft_lock:
-            lock = NoFollowLock(self._root / f"{name}.lock", timeout=self._lock_timeout)
+            lock = NoFollowLock(self._root / f"{name}.lock", timeout=timeout)
             try:
                 lock.acquire()
+                self._stuck.discard(name)
                 return lock
             except TimeoutError:  # before OSError: TimeoutError is an OSError
                 return self._lock_timed_out(name, lock.lock_file)
@@ -505,9 +510,10 @@ class PlanStore:
                 self._use_soft_lock = True
         import filelock  # only writers on a filesystem without flock: a reader never imports it
 
-        lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=self._lock_timeout)
+        lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=timeout)
         try:
             lock.acquire()
+            self._stuck.discard(name)
             return lock
         except filelock.Timeout:  # a TimeoutError
             return self._lock_timed_out(name, lock.lock_file)
@@ -516,8 +522,11 @@ class PlanStore:
             return None
 
     def _lock_timed_out(self, name: str, path: str) -> None:
-        what = "eviction skipped this time" if name == ".evict" else "going on without it"
-        logger.warning("plan cache: lock %s not acquired in %.1f s; %s", path, self._lock_timeout, what)
+        what = "eviction skipped" if name == ".evict" else "going on without it"
+        if name not in self._stuck:  # one warning per stuck spell, not one per put
+            self._stuck.add(name)
+            logger.warning("plan cache: lock %s not acquired in %.1f s (its holder may be stopped or hung); %s, "
+                           "and it is not waited for again until it is free", path, self._lock_timeout, what)
         return None
 
     def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:

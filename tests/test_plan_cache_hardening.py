@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -53,3 +55,37 @@ def test_a_fifo_at_a_lock_path_is_refused_without_blocking(tmp_path):
     started = time.monotonic()
     assert store.put(_record(), keep_existing=lambda old: False)
     assert time.monotonic() - started < 5
+
+
+# --- item 8: a stopped lock holder costs one wait, not one per put ----------------------------------------------
+
+_HOLD = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # a job stopped (Ctrl-Z, a debugger) while it held the lock
+"""
+
+
+def test_a_stopped_lock_holder_costs_one_wait_not_one_per_put(tmp_path, caplog):
+    store = PlanStore(tmp_path / "c", lock_timeout=0.5)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(store.root / ".write.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="plan_cache"):
+            for i in range(5):
+                assert store.put(_record(KEY_A, size=10 + i), keep_existing=lambda old: False)
+        elapsed = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert elapsed < 1.5, f"5 conditional puts took {elapsed:.1f} s beside a stopped holder"
+    assert store.get(KEY_A).blob == bytes(14)
+    assert len([r for r in caplog.records if "not acquired" in r.getMessage()]) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="plan_cache"):  # the holder is gone: locked again, no warning
+        assert store.put(_record(KEY_A), keep_existing=lambda old: False)
+    assert "lock" not in caplog.text
