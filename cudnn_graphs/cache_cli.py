@@ -1,7 +1,8 @@
 """`cudnn-graphs cache ...`: list, summarise, check, trim, clear and share (export/import) the on-disk plan cache.
 
 Exit status: 0 done; 1 the command found problems (corrupt or unusable records, a corrupt bundle, records that
-could not be written); 2 usage or configuration errors (bad paths, `--load` without a GPU, `clear` refused).
+could not be written); 2 usage or configuration errors (bad paths, a directory that is not a plan cache,
+`--load` without a GPU, `clear` refused).
 Looking at the cache (`ls`, `stats`, `verify`, `export`) never counts as a use of its records.
 """
 
@@ -16,7 +17,7 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from plan_cache import PlanRecord, PlanStore
+from plan_cache import CacheError, PlanRecord, PlanStore
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
@@ -114,7 +115,7 @@ _READ_ONLY = ("ls", "stats", "verify", "export", "push")
 def run_cache(args: argparse.Namespace) -> int:
     """Run the parsed `cache` subcommand; the exit status."""
     try:
-        root = config.cache_dir() if getattr(args, "cache", None) is None else args.cache
+        root = _root(args)
         if args.cache_command in _READ_ONLY and not os.path.lexists(root):  # looking must not create it
             if args.cache_command in ("export", "push"):
                 return _fail(f"no plan cache at {root}: nothing to {args.cache_command}", 1)
@@ -132,8 +133,17 @@ def run_cache(args: argparse.Namespace) -> int:
         return _fail(f"{err}; nothing imported", 1)
     except _Exit as err:
         return _fail(str(err), err.code)
-    except (CudnnGraphsError, OSError) as err:
+    except (CudnnGraphsError, CacheError, OSError) as err:  # CacheError: NotACacheError from clear and prune
         return _fail(str(err), 2)
+
+
+def _root(args: argparse.Namespace):
+    if getattr(args, "cache", None) is None:
+        return config.cache_dir()
+    if not args.cache.strip():  # Path("") is the working directory: never take an unset variable for a cache
+        raise _Exit(f"--cache {args.cache!r}: an empty path names no cache directory (an unset shell variable?); "
+                    "nothing done")
+    return args.cache
 
 
 def _fail(message: str, code: int) -> int:
@@ -434,6 +444,7 @@ def _print_verify(store, files, load, device, records, problems, bad) -> None:
 # --- prune, clear --------------------------------------------------------------------------------------------
 
 def _prune(store: PlanStore, args) -> int:
+    store.check_marked()  # NotACacheError: nothing is deleted in a directory that is not a cache
     before = store.stats()["total_bytes"]
     removed = store.prune(args.max_bytes)
     after = store.stats()["total_bytes"]
@@ -443,6 +454,7 @@ def _prune(store: PlanStore, args) -> int:
 
 
 def _clear(store: PlanStore, args) -> int:
+    store.check_marked()  # before asking: a directory that is not a cache is refused, whatever the answer
     count = len(store)
     if not args.yes:
         if not sys.stdin.isatty():

@@ -42,6 +42,17 @@ class UntrustedCacheError(CacheError, PermissionError):
         return (type(self), (self.path, self.reason))
 
 
+class NotACacheError(CacheError, ValueError):
+    """`clear` or `prune` was pointed at a directory that is not marked as a plan cache (no CACHEDIR.TAG,
+    and not the layout this package writes): nothing in it is deleted."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str):
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"{self.path!r} is not a plan cache ({reason}); nothing was deleted. Name the cache "
+                         "directory itself (a plan cache holds a CACHEDIR.TAG written by cudnn-graphs)")
+
+
 class NotRegularFileError(CacheError, OSError):
     """A file about to be replaced exists and is not a regular file (a FIFO, a device, a directory, a
     link): replacing it would swap a device node or a pipe for a plain file, so it is refused."""

@@ -8,6 +8,13 @@ Layout under `root` (every directory mode 0o700, every file 0o600):
     root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
     root/.evict.lock                  flock held only while evicting (.evict.softlock where flock fails)
     root/.write.lock                  flock held by conditional puts (read-compare-replace)
+    root/CACHEDIR.TAG                 marks the root as a cache (bford.info/cachedir): backup tools skip it,
+                                      and `clear`/`prune` refuse a directory without it
+
+`clear`, `prune`, eviction and the sweeps delete only names of this layout, and `clear`/`prune` only in a
+marked root. The mark is written when the store creates the root, or lays out `v1/` in a directory that
+holds nothing else; a root of an earlier version (no mark, only this layout) is marked when first cleared
+or pruned; a directory that holds other files is never marked.
 
 Parts, in order: trust checks, reading (get), writing (put), eviction, maintenance (verify, delete, clear).
 Concurrency model: readers and writers take no lock. A write goes to a unique temp file in the record's own
@@ -24,6 +31,7 @@ import functools
 import logging
 import math
 import os
+import re
 import secrets
 import stat
 import threading
@@ -33,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._files import NoFollowLock, write_atomic
-from .errors import CorruptRecordError, UntrustedCacheError
+from .errors import CorruptRecordError, NotACacheError, UntrustedCacheError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
 
 if TYPE_CHECKING:
@@ -48,6 +56,14 @@ TOUCH_INTERVAL = 1.0  # a hit rewrites the last-use time only when it is older t
 QUARANTINE_KEEP = 32  # quarantined files kept for inspection; older ones are deleted
 RECORD_SUFFIX = ".rec"
 TEMP_PREFIX = ".tmp-"
+TAG_NAME = "CACHEDIR.TAG"
+TAG_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"  # the Cache Directory Tagging spec's header
+_TAG_TEXT = TAG_SIGNATURE + (b"\n# This file is a cache directory tag created by cudnn-graphs (its plan cache).\n"
+                             b"# For information about cache directory tags see https://bford.info/cachedir/\n")
+_ROOT_NAMES = frozenset({TAG_NAME, f"v{FORMAT_VERSION}", "quarantine", ".write.lock", ".evict.lock",
+                         ".write.softlock", ".evict.softlock"})
+_FAN_OUT_RE = re.compile(r"[0-9A-Za-z_-]{1,2}")  # key[:2] of a valid key
+_QUARANTINED_RE = re.compile(r"\d{20}-\d+-[0-9a-f]{8}-.*\.rec", re.S)  # _move_to_quarantine's names
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -100,15 +116,24 @@ def _distrust(st: os.stat_result, *, root_may_own: bool = False) -> str | None:
     return None
 
 
-def _trusted_dir(path: Path, *, follow: bool = False) -> None:
-    """Create `path` 0o700 if absent; refuse it if it is not a directory we alone can write. Only the
-    root may be reached through a symbolic link (`follow`): nothing under it is ever followed."""
+def _trusted_dir(path: Path, *, follow: bool = False, create: bool = True) -> bool:
+    """Create `path` 0o700 if absent (`create`); refuse it if it is not a directory we alone can write;
+    whether it was created. Only the root may be reached through a symbolic link (`follow`): nothing
+    under it is ever followed. Without `create`, a missing `path` is fine (False)."""
+    created = False
     try:
-        path.mkdir(mode=_DIR_MODE, parents=True)
-        os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
+        if create:
+            path.mkdir(mode=_DIR_MODE, parents=True)
+            os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
+            created = True
     except FileExistsError:
         pass
-    st = os.stat(path) if follow else os.lstat(path)
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        if create:
+            raise
+        return False
     if stat.S_ISLNK(st.st_mode):
         raise UntrustedCacheError(path, "is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):
@@ -116,6 +141,7 @@ def _trusted_dir(path: Path, *, follow: bool = False) -> None:
     reason = _distrust(st)
     if reason is not None:
         raise UntrustedCacheError(path, reason)
+    return created
 
 
 def _trusted_existing_dir(path: Path) -> None:
@@ -182,6 +208,8 @@ class PlanStore:
         self._lock_timeout = float(_number("lock_timeout", lock_timeout))
         self._stale_temp_age = float(_number("stale_temp_age", stale_temp_age))
         self._touch_interval_ns = int(_number("touch_interval", touch_interval) * 1e9)
+        if not os.fspath(root).strip():  # Path("") is the working directory: an unset variable, not a cache
+            raise ValueError(f"root: {os.fspath(root)!r} is an empty path, not a cache directory")
         self._root = Path(os.fspath(root))
         self._records = self._root / f"v{FORMAT_VERSION}"
         self._quarantine = self._root / "quarantine"
@@ -193,8 +221,10 @@ class PlanStore:
         if self._read_only:  # a shared system tier: never created, written, touched or quarantined in
             _trusted_existing_dir(self._root)
             return
-        _trusted_dir(self._root, follow=True)
-        _trusted_dir(self._records)
+        if _trusted_dir(self._root, follow=True):
+            self._lay_out()
+        else:  # an existing root gets v1/ at its first put: `cache ls` on a read-only one creates nothing
+            _trusted_dir(self._records, create=False)
 
     @classmethod
     def open_or_none(cls, root: str | os.PathLike[str], **kwargs: Any) -> PlanStore | None:
@@ -360,12 +390,18 @@ class PlanStore:
         return f"moved to {dest}"
 
     def _prune_quarantine(self) -> None:
-        if _unsafe_dir(self._quarantine) is not None:  # never delete through a link or in a foreign directory
-            return
-        entries = sorted(_scandir(self._quarantine), key=lambda e: e.name)  # names start with time_ns: oldest first
+        entries = sorted(self._quarantined(), key=lambda e: e.name)  # names start with time_ns: oldest first
         for entry in entries[:max(0, len(entries) - QUARANTINE_KEEP)]:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
+
+    def _quarantined(self) -> list[os.DirEntry]:
+        """The files this store moved into quarantine/ (by their names): never anything else a person put
+        there, never through a link or in a foreign directory."""
+        if _unsafe_dir(self._quarantine) is not None:
+            return []
+        return [e for e in _scandir(self._quarantine)
+                if _QUARANTINED_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
 
     # --- writing ---------------------------------------------------------------------------------------------
 
@@ -415,14 +451,71 @@ class PlanStore:
         directory = path.parent
         try:
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
-        except FileNotFoundError:  # v1/ removed under us (a person's rm -rf): recreate it private
-            self._records.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        except FileNotFoundError:  # the first put, or v1/ removed under us (a person's rm -rf)
+            self._lay_out()
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
         reason = self._unsafe_parents(path)
         if reason is not None:  # a linked fan-out directory would put the record outside the cache
             raise UntrustedCacheError(directory, reason)
-        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}",
-                     mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+        write_atomic(path, data, temp=directory / temp_name(), mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+
+    def _lay_out(self) -> None:
+        """Create v1/ (private), and mark the root a cache when it holds nothing but this layout."""
+        _trusted_dir(self._root, follow=True)
+        _trusted_dir(self._records)
+        if self._unmarked_reason() is not None and self._foreign_name() is None:
+            self._write_tag()
+
+    # --- the cache mark --------------------------------------------------------------------------------------
+
+    def _write_tag(self) -> None:
+        try:  # best effort: an unmarked cache still works, only `clear` and `prune` refuse it
+            write_atomic(self._root / TAG_NAME, _TAG_TEXT, temp=self._root / f"{TAG_NAME}{temp_name()}",
+                         mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+        except OSError as err:
+            logger.info("plan cache: cannot write %s in %s (%s)", TAG_NAME, self._root, err)
+
+    def _unmarked_reason(self) -> str | None:
+        """Why the root's CACHEDIR.TAG does not mark it a cache (absent, not a file, no signature), else None."""
+        try:
+            fd = os.open(self._root / TAG_NAME, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK)
+        except FileNotFoundError:
+            return f"it has no {TAG_NAME}"
+        except OSError as err:
+            return f"its {TAG_NAME} cannot be read ({err.strerror or err})"
+        try:
+            head = os.read(fd, len(TAG_SIGNATURE)) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        except OSError:
+            head = b""
+        finally:
+            os.close(fd)
+        return None if head == TAG_SIGNATURE else f"its {TAG_NAME} lacks the cache directory signature"
+
+    def _foreign_name(self) -> str | None:
+        """A name in the root or v1/ that this layout never writes, or None: then the root is a cache of
+        this package, perhaps of a version that wrote no mark. v1/ itself must exist."""
+        if _unsafe_dir(self._records) is not None or not self._records.is_dir():
+            return f"v{FORMAT_VERSION}/"
+        for item in _scandir(self._root):
+            if item.name not in _ROOT_NAMES and not item.name.startswith(f"{TAG_NAME}{TEMP_PREFIX}"):
+                return item.name
+        for item in _scandir(self._records):
+            if not (_FAN_OUT_RE.fullmatch(item.name) and item.is_dir(follow_symlinks=False)):
+                return f"v{FORMAT_VERSION}/{item.name}"
+        return None
+
+    def check_marked(self) -> None:
+        """Raise NotACacheError unless the root is marked a cache. An unmarked root that holds only this
+        layout (written by a version before the mark) is marked now; a directory with other files never is."""
+        reason = self._unmarked_reason()
+        if reason is None:
+            return
+        foreign = self._foreign_name()
+        if foreign == f"v{FORMAT_VERSION}/":
+            raise NotACacheError(self._root, f"{reason} and no v{FORMAT_VERSION}/ directory of records")
+        if foreign is not None:
+            raise NotACacheError(self._root, f"{reason}, and it holds {foreign!r}, which the plan cache never writes")
+        self._write_tag()
 
     # --- eviction --------------------------------------------------------------------------------------------
 
@@ -447,6 +540,8 @@ class PlanStore:
         for entry in sorted(entries, key=lambda e: e.mtime_ns):  # least recently used first
             if total <= cap:
                 break
+            if not _own_record(entry.path):
+                continue
             if self._unlink_if_unchanged(entry):
                 total -= entry.size
                 evicted += 1
@@ -454,9 +549,11 @@ class PlanStore:
         return evicted
 
     def prune(self, max_bytes: int) -> int:
-        """Evict least recently used records until at most `max_bytes` remain; how many were removed."""
+        """Evict least recently used records until at most `max_bytes` remain; how many were removed.
+        Only in a root marked a cache (else NotACacheError); 0 when another process holds the eviction lock."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes: {max_bytes!r} must be an int >= 0")
+        self.check_marked()
         with self._eviction_lock() as held:
             if not held:
                 return 0
@@ -546,15 +643,17 @@ class PlanStore:
         return entries, removed
 
     def _fan_out_dirs(self) -> list[os.DirEntry]:
-        """The record directories that may be listed, read and deleted in: real directories we alone own
-        (a linked or foreign one is skipped with a warning, and its files are never touched)."""
+        """The record directories that may be listed, read and deleted in: real directories named as key
+        prefixes that we alone own. A linked or foreign one is skipped with a warning, any other name
+        silently; their files are never touched."""
         reason = _unsafe_dir(self._records)
         if reason is not None:
             logger.warning("plan cache: %s %s; its records are not used", self._records, reason)
             return []
         out = []
         for sub in _scandir(self._records):
-            unsafe = _unsafe_dir(sub.path) if sub.is_dir(follow_symlinks=False) or sub.is_symlink() else "skip"
+            listed = _FAN_OUT_RE.fullmatch(sub.name) and (sub.is_dir(follow_symlinks=False) or sub.is_symlink())
+            unsafe = _unsafe_dir(sub.path) if listed else "skip"
             if unsafe is None:
                 out.append(sub)
             elif unsafe != "skip":
@@ -616,8 +715,11 @@ class PlanStore:
         return True
 
     def clear(self) -> int:
-        """Remove every record, stale temp file and quarantined file; the number of records removed."""
+        """Remove every record, stale temp file and quarantined file; the number of records removed. Only
+        names this store writes are deleted, and only in a root marked a cache (else NotACacheError)."""
+        self.check_marked()
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
+        entries = [e for e in entries if _own_record(e.path)]
         removed, failed = 0, None
         for entry in entries:
             try:
@@ -629,10 +731,9 @@ class PlanStore:
                 failed = failed or err
         if failed is not None:
             logger.warning("plan cache: %d record(s) could not be removed (%s)", len(entries) - removed, failed)
-        if _unsafe_dir(self._quarantine) is None:  # never delete through a link or in a foreign directory
-            for item in _scandir(self._quarantine):
-                with contextlib.suppress(OSError):
-                    os.unlink(item.path)
+        for item in self._quarantined():
+            with contextlib.suppress(OSError):
+                os.unlink(item.path)
         return removed
 
     def keys(self) -> Iterator[str]:
@@ -656,6 +757,11 @@ class PlanStore:
             counts = dict(self._counts)
         return {"entries": len(entries), "total_bytes": sum(e.size for e in entries), "max_bytes": self._max_bytes,
                 **counts}
+
+
+def temp_name() -> str:
+    """A unique name for a temp file of this process: .tmp-<host>-<pid>-<hex>."""
+    return f"{TEMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -697,6 +803,13 @@ def _read_exactly(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def _own_record(path: str) -> bool:
+    """Whether `path` is named as this store names records: <fan-out>/<key>.rec, a valid key under its key[:2]."""
+    directory, name = os.path.split(path)
+    key = name[:-len(RECORD_SUFFIX)]
+    return name.endswith(RECORD_SUFFIX) and _is_key(key) and key[:2] == os.path.basename(directory)
 
 
 def _is_key(name: str) -> bool:

@@ -12,9 +12,49 @@ import pytest
 import cudnn_graphs as cg
 from cudnn_graphs import recording
 
+from .test_cache_cli import run
 from .test_plan_cache_bundle import SPECS
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX FIFOs, device nodes and modes")
+
+
+def _planted(directory, count=40):
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (directory / f"{i:02d}.dat").write_bytes(b"keep me")
+    return sorted(os.listdir(directory))
+
+
+# --- item 1 and 15: empty, mistyped and foreign paths --------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["clear", "--yes"], ["prune", "--max-bytes", "0"], ["ls"], ["import", "x.cgb"]])
+def test_an_empty_cache_path_is_refused_and_the_working_directory_untouched(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)
+    kept = _planted(tmp_path / "quarantine")
+    assert run([*argv, "--cache", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--cache ''" in err and "empty path" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(tmp_path / "quarantine")) == kept and sorted(os.listdir(tmp_path)) == ["quarantine"]
+
+
+@pytest.mark.parametrize("argv", [["clear", "--yes"], ["prune", "--max-bytes", "0"]])
+def test_clear_and_prune_refuse_a_directory_that_is_not_a_cache(tmp_path, capsys, argv):
+    project = tmp_path / "project"
+    kept = _planted(project / "quarantine")
+    (project / "setup.py").write_text("")
+    assert run([*argv, "--cache", str(project)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a plan cache" in err and "nothing was deleted" in err and len(err.strip().splitlines()) == 1
+    assert sorted(os.listdir(project / "quarantine")) == kept and not (project / "v1").exists()
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["stats"], ["verify", "--no-load"], ["export", "out.cgb"]])
+def test_looking_at_an_existing_root_creates_no_v1(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    assert run([*argv, "--cache", str(cache)]) == 0
+    assert os.listdir(cache) == []
 
 
 # --- item 2: record mode's lock file -----------------------------------------------------------------------------

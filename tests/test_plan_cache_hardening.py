@@ -13,13 +13,107 @@ import time
 import pytest
 
 from plan_cache import PlanRecord, PlanStore
+from plan_cache import store as store_mod
+from plan_cache.errors import CacheError, NotACacheError
+from plan_cache.store import TAG_NAME, TAG_SIGNATURE
 
-KEY_A, KEY_B = "a1" + "0" * 62, "b2" + "0" * 62
+KEY_A, KEY_B, KEY_C, KEY_D = ("a1" + "0" * 62, "b2" + "0" * 62, "c3" + "0" * 62, "d4" + "0" * 62)
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX locks, links, signals and modes")
 
 
 def _record(key=KEY_A, size=100):
     return PlanRecord(key=key, blob=bytes(size), meta={"engine": "eng0"})
+
+
+def _planted(directory, count=40):
+    """`count` files a person keeps in `directory`, as the project of issue 37 kept quarantine/*.dat."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (directory / f"{i:02d}.dat").write_bytes(b"keep me")
+    return sorted(os.listdir(directory))
+
+
+# --- item 1: an empty path, the cache mark, and deleting only our own names -----------------------------------
+
+def test_an_empty_root_is_refused_not_taken_for_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", " "):
+        with pytest.raises(ValueError, match="root: .* empty path"):
+            PlanStore(empty)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_root_the_store_creates_is_marked_with_a_cachedir_tag(tmp_path):
+    store = PlanStore(tmp_path / "new")
+    assert (store.root / TAG_NAME).read_bytes().startswith(TAG_SIGNATURE + b"\n")
+    store.check_marked()  # no error
+
+
+def test_clear_and_prune_refuse_a_project_directory_and_delete_nothing(tmp_path):
+    project = tmp_path / "project"
+    kept = _planted(project / "quarantine")
+    (project / "main.py").write_text("print('hi')")
+    os.chmod(project, 0o700)
+    store = PlanStore(project)
+    assert store.put(_record())  # a cache can live there; the directory is still not marked as one
+    for action in (store.clear, lambda: store.prune(0)):
+        with pytest.raises(NotACacheError, match="main.py|quarantine|no CACHEDIR.TAG") as err:
+            action()
+        assert isinstance(err.value, CacheError) and err.value.path == str(project)
+    assert sorted(os.listdir(project / "quarantine")) == kept and store.get(KEY_A) is not None
+    assert not (project / TAG_NAME).exists()
+
+
+def test_clear_deletes_only_names_the_cache_writes(tmp_path):
+    store = PlanStore(tmp_path / "c")
+    for key in (KEY_A, KEY_B):
+        assert store.put(_record(key))
+    kept = _planted(store.root / "quarantine", 3)
+    fan_out = store.path_of(KEY_A).parent
+    (fan_out / "notes.txt").write_text("mine")
+    (fan_out / "draft.rec").write_text("not a key of this directory")
+    os.mkdir(store.root / "v1" / "docs", 0o700)
+    (store.root / "v1" / "docs" / f"{KEY_C}.rec").write_text("a record name, but not in a fan-out directory")
+    assert store.clear() == 2 and list(store.keys()) == []
+    assert sorted(os.listdir(store.root / "quarantine")) == kept
+    assert sorted(os.listdir(fan_out)) == ["draft.rec", "notes.txt"]
+    assert os.listdir(store.root / "v1" / "docs") == [f"{KEY_C}.rec"]
+
+
+def test_quarantine_pruning_never_deletes_a_persons_files(tmp_path, monkeypatch):
+    store = PlanStore(tmp_path / "c")
+    kept = _planted(store.root / "quarantine", 40)
+    monkeypatch.setattr(store_mod, "QUARANTINE_KEEP", 3)
+    for key in (KEY_A, KEY_B, KEY_C, KEY_D, "e5", "f6"):
+        assert store.put(_record(key))
+        store.path_of(key).write_bytes(b"corrupt")
+        assert store.get(key) is None  # quarantined, and the quarantine pruned to the newest 3 of its own
+    names = sorted(os.listdir(store.root / "quarantine"))
+    assert [n for n in names if n.endswith(".dat")] == kept and len(names) == 40 + 3
+
+
+def test_an_unmarked_cache_of_an_earlier_version_is_recognised_and_marked(tmp_path):
+    store = PlanStore(tmp_path / "old")
+    for key in (KEY_A, KEY_B):
+        assert store.put(_record(key))
+    store.get(KEY_A)
+    (store.root / TAG_NAME).unlink()  # as versions before the mark left it
+    assert PlanStore(store.root).clear() == 2
+    assert (store.root / TAG_NAME).read_bytes().startswith(TAG_SIGNATURE)
+    (store.root / TAG_NAME).unlink()
+    (store.root / "README").write_text("a person's file beside the layout")
+    with pytest.raises(NotACacheError, match="README"):
+        store.prune(0)
+
+
+def test_an_existing_empty_directory_is_marked_when_the_cache_is_laid_out_in_it(tmp_path):
+    root = tmp_path / "made-by-mkdir-p"
+    root.mkdir(mode=0o700)
+    store = PlanStore(root)
+    with pytest.raises(NotACacheError, match="no v1/"):
+        store.clear()  # nothing of ours yet: not a cache
+    assert store.put(_record())
+    assert store.clear() == 1 and (root / TAG_NAME).exists()
 
 
 # --- item 2: lock files are never followed through a link ----------------------------------------------------
