@@ -349,7 +349,7 @@ class PlanStore:
         # Last use lives in the record's own mtime, set explicitly: no sidecar to orphan, works on noatime mounts,
         # and a put (a new file) starts it at "now". Throttled so that hot hits do not write.
         now = time.time_ns()
-        if now - st.st_mtime_ns < self._touch_interval_ns:
+        if 0 <= now - st.st_mtime_ns < self._touch_interval_ns:  # a future mtime (skewed clock) is rewritten too
             return
         try:
             os.utime(path, ns=(now, now))
@@ -435,7 +435,7 @@ class PlanStore:
             return False
         self._count("puts")
         if self._max_bytes is not None:
-            self._evict_if_over()
+            self._evict_if_over(keep=os.fspath(path))
         return True
 
     def _write_unless_kept(self, path: Path, key: str, data: bytes, keep_existing: Callable[[PlanRecord], bool]) -> bool:
@@ -519,7 +519,7 @@ class PlanStore:
 
     # --- eviction --------------------------------------------------------------------------------------------
 
-    def _evict_if_over(self) -> None:
+    def _evict_if_over(self, *, keep: str) -> None:
         try:
             # Unlocked first look (most puts leave the cache under its cap); it removes the temp files of
             # writers on this host that died (killed mid-put), so they cannot pile up beside the cap.
@@ -528,11 +528,13 @@ class PlanStore:
                 return
             with self._eviction_lock() as held:
                 if held:
-                    self._evict()
+                    self._evict(keep=keep)
         except OSError as err:
             logger.warning("plan cache: eviction failed (%s); the cache may exceed its cap until the next put", err)
 
-    def _evict(self, max_bytes: int | None = None) -> int:
+    def _evict(self, max_bytes: int | None = None, *, keep: str | None = None) -> int:
+        """Evict least recently used records down to the cap; never `keep`, the record this put just wrote
+        (records whose mtime was in the future count as used now, and would outrank it)."""
         # Rescan under the lock: another evictor may have run since the unlocked look. Sweep dead temps as we go.
         cap = self._max_bytes if max_bytes is None else max_bytes
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
@@ -540,7 +542,7 @@ class PlanStore:
         for entry in sorted(entries, key=lambda e: e.mtime_ns):  # least recently used first
             if total <= cap:
                 break
-            if not _own_record(entry.path):
+            if entry.path == keep or not _own_record(entry.path):
                 continue
             if self._unlink_if_unchanged(entry):
                 total -= entry.size
@@ -627,7 +629,9 @@ class PlanStore:
         return None
 
     def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:
-        """Every record file, and how many temp files older than `sweep_before` were removed (None: none are)."""
+        """Every record file, and how many temp files older than `sweep_before` were removed (None: none are,
+        and nothing is written). Sweeping, a record or temp file last used in the future (a skewed clock)
+        is set to now: it would otherwise never be evicted or swept."""
         entries: list[_Entry] = []
         removed = 0
         for sub in self._fan_out_dirs():
@@ -635,7 +639,8 @@ class PlanStore:
                 try:
                     if item.name.endswith(RECORD_SUFFIX):
                         st = item.stat(follow_symlinks=False)
-                        entries.append(_Entry(item.path, st.st_size, st.st_mtime_ns, st.st_ino))
+                        mtime_ns = st.st_mtime_ns if sweep_before is None else _not_future(item.path, st)
+                        entries.append(_Entry(item.path, st.st_size, mtime_ns, st.st_ino))
                     elif sweep_before is not None and item.name.startswith(TEMP_PREFIX):
                         removed += self._remove_if_stale(item.path, sweep_before)
                 except FileNotFoundError:  # evicted, replaced or swept by another process while we looked
@@ -665,7 +670,7 @@ class PlanStore:
         """Remove a temp file whose writer is gone: a process of this host that no longer exists, or
         (any host) no write for longer than the stale age. mtime, not ctime: a live writer's temp
         keeps a fresh mtime while it writes, so it is never swept."""
-        if not _writer_is_dead(os.path.basename(path)) and os.lstat(path).st_mtime >= before:
+        if not _writer_is_dead(os.path.basename(path)) and _not_future(path, os.lstat(path)) >= before * 1e9:
             return 0
         try:
             os.unlink(path)
@@ -790,6 +795,19 @@ def _writer_is_dead(name: str) -> bool:
     except OSError:  # exists but not ours to signal, or a platform without kill(pid, 0)
         return False
     return False
+
+
+def _not_future(path: str, st: os.stat_result) -> int:
+    """The file's mtime in ns, or now, written to the file, when it lies in the future (a clock that ran
+    ahead): last use "now" lets it age from here."""
+    now = time.time_ns()
+    if st.st_mtime_ns <= now:
+        return st.st_mtime_ns
+    try:
+        os.utime(path, ns=(now, now), follow_symlinks=False)
+        return os.lstat(path).st_mtime_ns  # as stored (a coarse clock rounds): eviction compares it
+    except OSError:  # gone, or a read-only disk: still counted as used now
+        return now
 
 
 def _read_exactly(fd: int, size: int) -> bytes:

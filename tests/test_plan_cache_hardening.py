@@ -183,3 +183,30 @@ def test_a_stopped_lock_holder_costs_one_wait_not_one_per_put(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="plan_cache"):  # the holder is gone: locked again, no warning
         assert store.put(_record(KEY_A), keep_existing=lambda old: False)
     assert "lock" not in caplog.text
+
+
+# --- item 9: mtimes in the future (clock skew) -----------------------------------------------------------------
+
+def test_records_last_used_in_the_future_are_evicted_before_a_new_put(tmp_path):
+    size = len(store_mod.encode(_record(KEY_A)))
+    store = PlanStore(tmp_path / "c", max_bytes=3 * size)
+    future = time.time() + 365 * 86400
+    for key in (KEY_A, KEY_B, KEY_C):
+        assert store.put(_record(key))
+        os.utime(store.path_of(key), (future, future))
+    assert store.put(_record(KEY_D))
+    assert store.get(KEY_D) is not None, "the new record was evicted at once"
+    assert len(store) == 3 and store.stats()["total_bytes"] <= 3 * size
+    assert all(os.stat(store.path_of(k)).st_mtime <= time.time() for k in store.keys())  # set to now
+
+
+def test_a_temp_file_stamped_in_the_future_is_swept_once_stale(tmp_path):
+    store = PlanStore(tmp_path / "c", stale_temp_age=0.5)
+    temp = store.path_of(KEY_A).parent / ".tmp-elsewhere-1-00ff"
+    temp.parent.mkdir(mode=0o700)
+    temp.write_bytes(b"x")
+    future = time.time() + 86400
+    os.utime(temp, (future, future))
+    assert store.verify()["removed_temp"] == 0 and temp.exists()  # counted as written now
+    time.sleep(0.7)
+    assert store.verify()["removed_temp"] == 1 and not temp.exists()
