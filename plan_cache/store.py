@@ -3,8 +3,9 @@
 Layout under `root` (every directory mode 0o700, every file 0o600):
 
     root/v1/<key[:2]>/<key>.rec       one record (format: plan_cache.record); its mtime is the last use
-    root/v1/<key[:2]>/.tmp-<host>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept
-                                      at the next scan when that pid is gone from this host, else once stale
+    root/v1/<key[:2]>/.tmp-<writer>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept at
+                                      the next scan when that pid is gone from this host and PID namespace
+                                      (<writer> names both), else once stale
     root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
     root/.evict.lock                  flock held only while evicting (.evict.softlock where flock fails)
     root/.write.lock                  flock held by conditional puts (read-compare-replace)
@@ -765,25 +766,33 @@ class PlanStore:
 
 
 def temp_name() -> str:
-    """A unique name for a temp file of this process: .tmp-<host>-<pid>-<hex>."""
-    return f"{TEMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}"
+    """A unique name for a temp file of this process: .tmp-<writer id>-<pid>-<hex>."""
+    return f"{TEMP_PREFIX}{_writer_id()}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 @functools.lru_cache(maxsize=1)
-def _host() -> str:
-    """This host's name as temp names carry it (a writer's pid only says something on its own host);
-    asked on the first write, so a process that only reads never imports socket."""
+def _writer_id() -> str:
+    """Where a writer's pid means something, as temp names carry it: this host's name and, on Linux, a
+    digest of this boot and PID namespace (containers of one host name each have their own pids). Asked
+    on the first write, so a process that only reads never imports socket."""
+    import hashlib
     import socket
 
-    name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32]
-    return name or "host"
+    name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            space = os.readlink("/proc/self/ns/pid").encode() + f.read(64)
+    except OSError:  # not Linux, or no /proc: the host name alone, as before
+        return name
+    return f"{name}.{hashlib.sha256(space).hexdigest()[:12]}"
 
 
 def _writer_is_dead(name: str) -> bool:
-    """Whether the temp file `name` (.tmp-<host>-<pid>-<hex>) belongs to a process of this host that
-    has exited. Unknown hosts, old-style names and any doubt say alive: the age rule sweeps those."""
+    """Whether the temp file `name` (.tmp-<writer id>-<pid>-<hex>) belongs to a process of this host and
+    PID namespace that has exited. Other writer ids (another host, another container of the same host
+    name, a name without a namespace), old-style names and any doubt say alive: the age rule sweeps those."""
     parts = name[len(TEMP_PREFIX):].rsplit("-", 2)
-    if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit():
+    if len(parts) != 3 or parts[0] != _writer_id() or not parts[1].isdigit():
         return False
     pid = int(parts[1])
     if pid == os.getpid():

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -210,3 +212,43 @@ def test_a_temp_file_stamped_in_the_future_is_swept_once_stale(tmp_path):
     assert store.verify()["removed_temp"] == 0 and temp.exists()  # counted as written now
     time.sleep(0.7)
     assert store.verify()["removed_temp"] == 1 and not temp.exists()
+
+
+# --- item 12: a live writer in another PID namespace of the same host name --------------------------------------
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout)
+
+
+def test_the_sweep_spares_a_temp_named_for_the_same_host_but_not_this_pid_namespace(tmp_path):
+    store = PlanStore(tmp_path / "c", max_bytes=1 << 20)
+    fan_out = store.path_of(KEY_A).parent
+    fan_out.mkdir(mode=0o700)
+    host = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32]
+    pid = _dead_pid()  # no such process here; in the writer's own PID namespace it is alive and writing
+    foreign = fan_out / f".tmp-{host}-{pid}-00ff"
+    foreign.write_bytes(b"a live writer's half-written record")
+    assert store.put(_record(KEY_B))  # a capped put sweeps temps of writers it knows are dead
+    assert foreign.exists()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_a_writer_in_another_pid_namespace_names_its_temps_apart(tmp_path):
+    code = "from plan_cache.store import temp_name; print(temp_name())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
+                          text=True, env=env)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {done.stderr.strip()[:200]}")
+    theirs = done.stdout.strip()
+    ours = store_mod.temp_name()
+    assert theirs.rsplit("-", 2)[0] != ours.rsplit("-", 2)[0]  # same host name, another writer id
+    store = PlanStore(tmp_path / "c")
+    fan_out = store.path_of(KEY_A).parent
+    fan_out.mkdir(mode=0o700)
+    name = f"{theirs.rsplit('-', 2)[0]}-{_dead_pid()}-00ff"
+    (fan_out / name).write_bytes(b"x")
+    (fan_out / f"{ours.rsplit('-', 2)[0]}-{_dead_pid()}-00ff").write_bytes(b"x")  # ours, and dead: swept
+    assert store.verify()["removed_temp"] == 1 and os.listdir(fan_out) == [name]

@@ -192,8 +192,8 @@ def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_pat
     fan.mkdir(mode=0o700)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    names = {"dead": f"{store_mod.TEMP_PREFIX}{store_mod._host()}-{int(dead.stdout)}-00ff",
-             "live": f"{store_mod.TEMP_PREFIX}{store_mod._host()}-{os.getppid()}-00ff",
+    names = {"dead": f"{store_mod.TEMP_PREFIX}{store_mod._writer_id()}-{int(dead.stdout)}-00ff",
+             "live": f"{store_mod.TEMP_PREFIX}{store_mod._writer_id()}-{os.getppid()}-00ff",
              "other host": f"{store_mod.TEMP_PREFIX}elsewhere-{int(dead.stdout)}-00ff",
              "old style": f"{store_mod.TEMP_PREFIX}{int(dead.stdout)}-00ff"}
     for name in names.values():
