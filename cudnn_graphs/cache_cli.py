@@ -110,6 +110,7 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
 
 
 _READ_ONLY = ("ls", "stats", "verify", "export", "push")
+_OPEN_READ_ONLY = ("ls", "stats")  # as a system tier is opened: they can list a root-owned one too
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -127,7 +128,7 @@ def run_cache(args: argparse.Namespace) -> int:
                 else:
                     print("\n" + _remote_table(info))
             return 0
-        store = _open_store(root)
+        store = _open_store(root, read_only=args.cache_command in _OPEN_READ_ONLY)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
         return _fail(f"{err}; nothing imported", 1)
@@ -151,8 +152,8 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _open_store(root) -> PlanStore:
-    return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH)
+def _open_store(root, *, read_only: bool = False) -> PlanStore:
+    return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH, read_only=read_only)
 
 
 # --- reading records without side effects --------------------------------------------------------------------

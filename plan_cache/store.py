@@ -650,16 +650,17 @@ class PlanStore:
 
     def _fan_out_dirs(self) -> list[os.DirEntry]:
         """The record directories that may be listed, read and deleted in: real directories named as key
-        prefixes that we alone own. A linked or foreign one is skipped with a warning, any other name
-        silently; their files are never touched."""
-        reason = _unsafe_dir(self._records)
+        prefixes that we alone own (or root, in a read-only system tier). A linked or foreign one is skipped
+        with a warning, any other name silently; their files are never touched."""
+        owners = {"root_may_own": self._read_only}
+        reason = _unsafe_dir(self._records, **owners)
         if reason is not None:
             logger.warning("plan cache: %s %s; its records are not used", self._records, reason)
             return []
         out = []
         for sub in _scandir(self._records):
             listed = _FAN_OUT_RE.fullmatch(sub.name) and (sub.is_dir(follow_symlinks=False) or sub.is_symlink())
-            unsafe = _unsafe_dir(sub.path) if listed else "skip"
+            unsafe = _unsafe_dir(sub.path, **owners) if listed else "skip"
             if unsafe is None:
                 out.append(sub)
             elif unsafe != "skip":

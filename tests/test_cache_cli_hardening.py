@@ -4,6 +4,7 @@ stays JSON. Also record mode's lock file and `warmup --emit`'s output."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -11,9 +12,10 @@ import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import recording
+from plan_cache import PlanStore
 
 from .test_cache_cli import run
-from .test_plan_cache_bundle import SPECS
+from .test_plan_cache_bundle import SPECS, make_record
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX FIFOs, device nodes and modes")
 
@@ -68,3 +70,38 @@ def test_record_mode_never_follows_a_linked_lock_file(tmp_path, caplog):
         recording.note(SPECS[0])
     assert victim.read_text() == "precious" and os.path.islink(f"{path}.lock")
     assert "recording stops" in caplog.text
+
+
+# --- item 12: `ls` and `stats` of a root-owned system tier, by another user ----------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="a root-owned tier read by another uid")
+def test_ls_and_stats_list_a_root_owned_system_tier_for_another_user():
+    import contextlib
+    import io
+    import shutil
+    import tempfile
+
+    from .test_plan_cache_hardening import _as_nobody
+
+    tier = tempfile.mkdtemp(prefix="system-tier-")  # under /tmp: the test's own tmp_path is root's alone
+    try:
+        assert PlanStore(tier).put(make_record())
+        for directory, _, files in os.walk(tier):  # as a team installs it: readable by all, writable by root
+            os.chmod(directory, 0o755)
+            for name in files:
+                os.chmod(os.path.join(directory, name), 0o644)
+
+        def look():
+            out = {}
+            for command in ("ls", "stats"):
+                text = io.StringIO()
+                with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+                    code = run([command, "--json", "--cache", tier])
+                out[command] = [code, json.loads(text.getvalue()) if code == 0 else None]
+            return out
+
+        seen = _as_nobody(look)
+    finally:
+        shutil.rmtree(tier)
+    assert seen["ls"][0] == 0 and [row["key"] for row in seen["ls"][1]] == [make_record().key]
+    assert seen["stats"][0] == 0 and seen["stats"][1]["entries"] == 1

@@ -4,12 +4,15 @@ writer only within its own PID namespace; a root-owned system tier lists what it
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -252,3 +255,51 @@ def test_a_writer_in_another_pid_namespace_names_its_temps_apart(tmp_path):
     (fan_out / name).write_bytes(b"x")
     (fan_out / f"{ours.rsplit('-', 2)[0]}-{_dead_pid()}-00ff").write_bytes(b"x")  # ours, and dead: swept
     assert store.verify()["removed_temp"] == 1 and os.listdir(fan_out) == [name]
+
+
+# --- item 12: a root-owned system tier, listed by another user --------------------------------------------------
+
+def _as_nobody(fn):
+    """fn() in a forked child running as uid/gid 65534; its JSON result."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            out = json.dumps(fn()).encode()
+        except BaseException as err:
+            out = json.dumps({"error": repr(err)}).encode()
+        os.write(write, out)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="a root-owned tier read by another uid")
+def test_a_root_owned_system_tier_lists_what_it_serves(tmp_path):
+    root = tempfile.mkdtemp(prefix="system-tier-")  # under /tmp: the test's own tmp_path is root's alone
+    try:
+        assert PlanStore(root).put(_record())
+        for directory, dirs, files in os.walk(root):  # as a team installs it: readable by all, writable by root
+            os.chmod(directory, 0o755)
+            for name in files:
+                os.chmod(os.path.join(directory, name), 0o644)
+
+        def look():
+            seen = []
+            handler = logging.Handler()
+            handler.emit = lambda record: seen.append(record.getMessage())
+            logging.getLogger("plan_cache").addHandler(handler)
+            store = PlanStore(root, read_only=True)
+            return {"get": store.get(KEY_A) is not None, "len": len(store), "keys": list(store.keys()),
+                    "entries": store.stats()["entries"], "warnings": seen}
+
+        seen = _as_nobody(look)
+    finally:
+        shutil.rmtree(root)
+    assert seen == {"get": True, "len": 1, "keys": [KEY_A], "entries": 1, "warnings": []}
