@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -197,7 +198,14 @@ def _text(value: Any) -> str | None:
 
 
 def _stamp(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A time stamp from meta, or None: -inf or nan in an imported record must not crash `ls` or break JSON."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _parts(meta: dict) -> list[dict]:
@@ -247,12 +255,19 @@ def _summary(row: _Row) -> dict[str, Any]:
 # --- formatting ----------------------------------------------------------------------------------------------
 
 def _table(header: list[str], rows: list[list[Any]], *, right: tuple[int, ...] = ()) -> str:
-    """Columns padded to their widest cell, two spaces apart; columns in `right` right-aligned."""
-    cells = [header] + [["-" if c is None else str(c) for c in row] for row in rows]
+    """Columns padded to their widest cell, two spaces apart; columns in `right` right-aligned. Every cell is
+    printable: meta from an imported bundle must not reach the terminal raw (ESC sequences, BEL, CR)."""
+    cells = [[_printable(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
+                                                 for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _printable(text: str) -> str:
+    """`text` with each non-printable character escaped as Python writes it (ESC -> \\x1b)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def human_bytes(n: int | None) -> str:

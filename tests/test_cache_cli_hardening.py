@@ -6,18 +6,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 
 import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import recording
-from plan_cache import PlanStore
+from plan_cache import PlanRecord, PlanStore
 
 from .test_cache_cli import run
 from .test_plan_cache_bundle import SPECS, make_record
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX FIFOs, device nodes and modes")
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every other JSON reader does."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
 
 
 def _planted(directory, count=40):
@@ -57,6 +63,44 @@ def test_looking_at_an_existing_root_creates_no_v1(tmp_path, monkeypatch, argv):
     cache.mkdir(mode=0o700)
     assert run([*argv, "--cache", str(cache)]) == 0
     assert os.listdir(cache) == []
+
+
+# --- item 12: hostile record meta --------------------------------------------------------------------------------
+
+def _put(cache, record) -> None:
+    assert PlanStore(cache).put(record)
+
+
+def test_a_created_stamp_of_minus_infinity_neither_crashes_nor_breaks_json(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    record = make_record()
+    for created in (-math.inf, math.nan, math.inf):
+        _put(cache, PlanRecord(record.key, record.blob, {**record.meta, "created": created}))
+        assert run(["ls", "--cache", str(cache)]) == 0
+        assert run(["stats", "--cache", str(cache)]) == 0
+        capsys.readouterr()
+        assert run(["ls", "--json", "--cache", str(cache)]) == 0
+        assert _strict_json(capsys.readouterr().out)[0]["created"] is None
+        assert run(["stats", "--json", "--cache", str(cache)]) == 0
+        assert _strict_json(capsys.readouterr().out)["oldest_created"] is None
+
+
+def test_record_meta_reaches_the_terminal_escaped(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    record = make_record()
+    meta = {**record.meta, "chosen_by": "\x1b[2J\x1b]0;owned\x07tuned\r"}
+    meta["parts"] = [{**meta["parts"][0], "engine": "eng\x1b[31m0"}]
+    meta["environment"] = {**meta["environment"], "gpu_name": "H100\x1b[8m\u202e"}
+    _put(cache, PlanRecord(record.key, record.blob, meta))
+    for command in ("ls", "stats"):
+        assert run([command, "--cache", str(cache)]) == 0
+        out = capsys.readouterr().out
+        assert not any(c in out for c in "\x1b\x07\r\u202e"), repr(out)
+    assert run(["ls", "--cache", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "\\x1b[2J\\x1b]0;owned\\x07tuned\\r" in out and "eng\\x1b[31m0" in out
+    assert run(["ls", "--json", "--cache", str(cache)]) == 0  # JSON escapes for itself: the value stays exact
+    assert _strict_json(capsys.readouterr().out)[0]["chosen_by"] == meta["chosen_by"]
 
 
 # --- item 2: record mode's lock file -----------------------------------------------------------------------------
