@@ -4,6 +4,7 @@ stays JSON. Also record mode's lock file and `warmup --emit`'s output."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import recording
+from cudnn_graphs.cache.policy import keep_stored
 from plan_cache import PlanRecord, PlanStore
 
 from .test_cache_cli import run
@@ -101,6 +103,18 @@ def test_record_meta_reaches_the_terminal_escaped(tmp_path, capsys):
     assert "\\x1b[2J\\x1b]0;owned\\x07tuned\\r" in out and "eng\\x1b[31m0" in out
     assert run(["ls", "--json", "--cache", str(cache)]) == 0  # JSON escapes for itself: the value stays exact
     assert _strict_json(capsys.readouterr().out)[0]["chosen_by"] == meta["chosen_by"]
+
+
+def test_a_record_naming_an_unknown_plan_rule_is_replaced_by_an_autotuned_one(tmp_path):
+    store = PlanStore(tmp_path / "cache")
+    stale = make_record()
+    stale = PlanRecord(stale.key, b"stale", {**stale.meta, "plan_rules": {"no_such_rule": 7}})
+    assert store.put(stale)
+    tuned = make_record(chosen_by="autotune", blob=b"tuned")
+    assert store.put(tuned, keep_existing=functools.partial(keep_stored, tuned))
+    assert store.get(tuned.key).blob == b"tuned"
+    heuristic = make_record(blob=b"heuristic")  # the autotuned record still outranks a heuristic one
+    assert not store.put(heuristic, keep_existing=functools.partial(keep_stored, heuristic))
 
 
 # --- item 2: record mode's lock file -----------------------------------------------------------------------------
