@@ -1,5 +1,5 @@
 """Durable whole-file writes (a temp file in the target's directory, fsync, os.replace, fsync of the
-directory), and lock files that are never followed through a link."""
+directory), replacing only regular files, and lock files that are never followed through a link."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (sta
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def write_atomic(path: Path, data: bytes, *, temp: Path, mode: int, extra_flags: int = 0) -> None:
-    """Readers of `path` see its old content or all of `data`, never a part; `temp` must be in path's directory."""
+def write_atomic(path: Path, data: bytes, *, temp: Path, mode: int, extra_flags: int = 0,
+                 regular_only: bool = False) -> None:
+    """Readers of `path` see its old content or all of `data`, never a part; `temp` must be in path's directory.
+    `regular_only`: refuse (NotRegularFileError) a `path` that exists and is not a regular file."""
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | O_BINARY | extra_flags, mode)
     try:
         try:
@@ -33,12 +35,27 @@ def write_atomic(path: Path, data: bytes, *, temp: Path, mode: int, extra_flags:
             os.fsync(fd)  # data on disk before the name points at it, or a crash can leave an empty file
         finally:
             os.close(fd)
-        os.replace(temp, path)  # same directory, hence one filesystem: an atomic rename
+        if regular_only:
+            replace_regular(temp, path)
+        else:
+            os.replace(temp, path)  # same directory, hence one filesystem: an atomic rename
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
     fsync_dir(path.parent)
+
+
+def replace_regular(temp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """`os.replace(temp, path)` unless `path` exists and is not a regular file (NotRegularFileError): a
+    user's output file named /dev/full or a FIFO must not be swapped for a plain file."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, file_kind(st.st_mode))
+    os.replace(temp, path)
 
 
 def file_kind(mode: int) -> str:

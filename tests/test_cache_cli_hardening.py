@@ -9,12 +9,14 @@ import json
 import logging
 import math
 import os
+import stat
 
 import pytest
 
 import cudnn_graphs as cg
 from cudnn_graphs import recording
 from cudnn_graphs.cache.policy import keep_stored
+from cudnn_graphs.cli import main
 from plan_cache import PlanRecord, PlanStore
 
 from .test_cache_cli import run
@@ -65,6 +67,41 @@ def test_looking_at_an_existing_root_creates_no_v1(tmp_path, monkeypatch, argv):
     cache.mkdir(mode=0o700)
     assert run([*argv, "--cache", str(cache)]) == 0
     assert os.listdir(cache) == []
+
+
+# --- item 4: outputs that are not regular files ------------------------------------------------------------------
+
+def _special_files(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo, 0o600)
+    out = [fifo]
+    try:
+        os.mknod(tmp_path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # a device node, as /dev/full is
+        out.append(tmp_path / "null")
+    except PermissionError:  # not root: the FIFO stands for both
+        pass
+    return out
+
+
+def test_export_refuses_a_fifo_or_a_device_node(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert PlanStore(cache).put(make_record())
+    for target in _special_files(tmp_path):
+        kind = os.lstat(target).st_mode
+        assert run(["export", str(target), "--cache", str(cache)]) == 2
+        err = capsys.readouterr().err
+        assert "not a regular file" in err and len(err.strip().splitlines()) == 1
+        assert os.lstat(target).st_mode == kind
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_warmup_emit_refuses_a_fifo_or_a_device_node(tmp_path, capsys):
+    for target in _special_files(tmp_path):
+        kind = os.lstat(target).st_mode
+        assert main(["warmup", "--preset", "resnet18", "--batch", "2", "--emit", str(target)]) == 2
+        assert "not a regular file" in capsys.readouterr().err
+        assert os.lstat(target).st_mode == kind
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".emit-")]
 
 
 # --- item 12: hostile record meta --------------------------------------------------------------------------------
