@@ -1,9 +1,9 @@
 """`cudnn-graphs cache ...`: list, summarise, check, trim, clear and share (export/import) the on-disk plan cache.
 
 Exit status: 0 done; 1 the command found problems (corrupt or unusable records, a corrupt bundle, records that
-could not be written); 2 usage or configuration errors (bad paths, a directory that is not a plan cache,
-`--load` without a GPU, `clear` refused).
-Looking at the cache (`ls`, `stats`, `verify`, `export`) never counts as a use of its records.
+could not be written or removed); 2 usage or configuration errors (bad paths, a directory that is not a plan
+cache, `--load` without a GPU, `clear` refused). Looking at the cache (`ls`, `stats`, `verify`, `export`) never
+counts as a use of its records and never creates it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ __all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
 _NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
 _SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
 _LOAD_STATUSES = ("loads", "rebuilt", "foreign", "unusable")
+_FILE_COUNTS = ("ok", "corrupt", "untrusted", "unreadable", "removed_temp")  # PlanStore.verify()'s report
 
 
 class _Exit(Exception):
@@ -110,7 +111,7 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
 
 
-_READ_ONLY = ("ls", "stats", "verify", "export", "push")
+_NO_CREATE = ("ls", "stats", "verify", "export", "push", "prune", "clear")  # only import and pull create a cache
 _OPEN_READ_ONLY = ("ls", "stats")  # as a system tier is opened: they can list a root-owned one too
 
 
@@ -118,17 +119,8 @@ def run_cache(args: argparse.Namespace) -> int:
     """Run the parsed `cache` subcommand; the exit status."""
     try:
         root = _root(args)
-        if args.cache_command in _READ_ONLY and not os.path.lexists(root):  # looking must not create it
-            if args.cache_command in ("export", "push"):
-                return _fail(f"no plan cache at {root}: nothing to {args.cache_command}", 1)
-            print(f"no plan cache at {root} (nothing has been cached there yet)")
-            if args.cache_command == "stats" and args.remote:  # the remote has its own story to tell
-                info = _remote_stats(args)
-                if args.json:
-                    _dump(info)
-                else:
-                    print("\n" + _remote_table(info))
-            return 0
+        if args.cache_command in _NO_CREATE and not os.path.lexists(root):
+            return _no_cache(root, args)
         store = _open_store(root, read_only=args.cache_command in _OPEN_READ_ONLY)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
@@ -146,6 +138,30 @@ def _root(args: argparse.Namespace):
         raise _Exit(f"--cache {args.cache!r}: an empty path names no cache directory (an unset shell variable?); "
                     "nothing done")
     return args.cache
+
+
+def _no_cache(root, args: argparse.Namespace) -> int:
+    """What a command that must not create the cache says when there is none at `root`."""
+    command = args.cache_command
+    if command in ("clear", "prune"):
+        return _fail(f"no plan cache at {root}: nothing to {command} (is the path right?)", 2)
+    if command in ("export", "push"):
+        return _fail(f"no plan cache at {root}: nothing to {command}", 1)
+    note = f"no plan cache at {root} (nothing has been cached there yet)"
+    if not args.json:
+        print(note)
+        if command == "stats" and args.remote:  # the remote has its own story to tell
+            print("\n" + _remote_table(_remote_stats(args)))
+        return 0
+    print(note, file=sys.stderr)  # standard output stays JSON
+    if command == "ls":
+        _dump([])
+    elif command == "stats":
+        info = _stats_from(root, [], entries=0, total_bytes=0, max_bytes=config.cache_max_bytes())
+        _dump({**info, "remote": _remote_stats(args)} if args.remote else info)
+    else:
+        _dump(_verify_json(root, dict.fromkeys(_FILE_COUNTS, 0), False, {"ok": 0, "unusable": 0}, [], 0))
+    return 0
 
 
 def _fail(message: str, code: int) -> int:
@@ -376,13 +392,17 @@ def _remote_table(remote: dict) -> str:
 
 
 def _stats_info(store: PlanStore) -> dict[str, Any]:
-    summaries = [_summary(row) for row in _rows(store)]
-    readable = [s for s in summaries if s["status"] == "ok"]
     counts = store.stats()
+    return _stats_from(store.root, [_summary(row) for row in _rows(store)], entries=counts["entries"],
+                       total_bytes=counts["total_bytes"], max_bytes=store.max_bytes)
+
+
+def _stats_from(root, summaries: list[dict], *, entries: int, total_bytes: int, max_bytes: int | None) -> dict:
+    readable = [s for s in summaries if s["status"] == "ok"]
     created = [s["created"] for s in readable if s["created"] is not None]
     used = [s["last_used"] for s in summaries]
-    return {"cache": str(store.root), "entries": counts["entries"], "total_bytes": counts["total_bytes"],
-            "max_bytes": store.max_bytes, "unreadable": len(summaries) - len(readable),
+    return {"cache": str(root), "entries": entries, "total_bytes": total_bytes,
+            "max_bytes": max_bytes, "unreadable": len(summaries) - len(readable),
             "by_op": dict(Counter(s["op"] or "?" for s in readable)),
             "by_chosen_by": dict(Counter(s["chosen_by"] or "?" for s in readable)),
             "by_environment": dict(Counter(s["environment"] or "unknown environment" for s in readable)),
@@ -408,11 +428,15 @@ def _verify(store: PlanStore, args) -> int:
     records = {name: tally[name] for name in statuses}
     bad = files["corrupt"] + files["untrusted"] + files["unreadable"] + records["unusable"]
     if args.json:
-        _dump({"cache": str(store.root), "files": files, "load": load, "records": records, "problems": problems,
-               "ok": bad == 0})
+        _dump(_verify_json(store.root, files, load, records, problems, bad))
     else:
         _print_verify(store, files, load, args.device, records, problems, bad)
     return 1 if bad else 0
+
+
+def _verify_json(root, files: dict, load: bool, records: dict, problems: list, bad: int) -> dict:
+    return {"cache": str(root), "files": files, "load": load, "records": records, "problems": problems,
+            "ok": bad == 0}
 
 
 def _want_load(flag: bool | None, device: int) -> bool:
@@ -466,6 +490,9 @@ def _prune(store: PlanStore, args) -> int:
     after = store.stats()["total_bytes"]
     print(f"pruned {_plural(removed, 'record')}: {human_bytes(before)} -> {human_bytes(after)} "
           f"(target {human_bytes(args.max_bytes)}) in {store.root}")
+    if after > args.max_bytes:
+        raise _Exit(f"{store.root} still holds {human_bytes(after)}, over the target: another process holds its "
+                    "eviction lock, or records could not be removed (the warning above says why)", 1)
     return 0
 
 
@@ -480,6 +507,9 @@ def _clear(store: PlanStore, args) -> int:
             print("nothing removed")
             return 1
     print(f"removed {_plural(store.clear(), 'record')} from {store.root}")
+    left = len(store)
+    if left:
+        raise _Exit(f"{_plural(left, 'record')} could not be removed from {store.root} (the warning above says why)", 1)
     return 0
 
 

@@ -60,6 +60,55 @@ def test_clear_and_prune_refuse_a_directory_that_is_not_a_cache(tmp_path, capsys
     assert sorted(os.listdir(project / "quarantine")) == kept and not (project / "v1").exists()
 
 
+@pytest.mark.parametrize("argv", [["clear", "--yes"], ["prune", "--max-bytes", "1G"]])
+def test_clear_and_prune_on_a_mistyped_path_fail_and_create_nothing(tmp_path, capsys, argv):
+    typo = tmp_path / "cahce"
+    assert run([*argv, "--cache", str(typo)]) == 2
+    assert f"no plan cache at {typo}" in capsys.readouterr().err
+    assert not typo.exists()
+
+
+@pytest.mark.parametrize("argv, message", [(["clear", "--yes"], "1 record could not be removed"),
+                                           (["prune", "--max-bytes", "0"], "over the target")])
+def test_clear_and_prune_that_could_not_remove_everything_exit_1(tmp_path, argv, message):
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    cache = tmp_path / "cache"
+    store = PlanStore(cache)
+    for spec in SPECS[:2]:
+        assert store.put(make_record(spec))
+    stuck = str(store.path_of(make_record(SPECS[0]).key).parent)
+    assert stuck != str(store.path_of(make_record(SPECS[1]).key).parent)
+    script = ('mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" || exit 99; shift; exec "$@"')
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", stuck, sys.executable, "-m", "cudnn_graphs",
+                           "cache", *argv, "--cache", str(cache)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if done.returncode == 99:
+        pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert sorted(PlanStore(cache).keys()) == [make_record(SPECS[0]).key]  # the other one went
+
+
+@pytest.mark.parametrize("command", ["ls", "stats", "verify"])
+def test_json_on_a_missing_cache_is_still_json(tmp_path, capsys, command):
+    missing = tmp_path / "none"
+    assert run([command, "--json", "--cache", str(missing)]) == 0
+    out = capsys.readouterr()
+    data = _strict_json(out.out)
+    assert "no plan cache" in out.err and not missing.exists()
+    if command == "ls":
+        assert data == []
+    elif command == "stats":
+        assert data["entries"] == 0 and data["cache"] == str(missing) and data["by_op"] == {}
+    else:
+        assert data["ok"] is True and data["files"]["ok"] == 0 and data["problems"] == []
+
+
 @pytest.mark.parametrize("argv", [["ls"], ["stats"], ["verify", "--no-load"], ["export", "out.cgb"]])
 def test_looking_at_an_existing_root_creates_no_v1(tmp_path, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
