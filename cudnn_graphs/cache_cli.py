@@ -1,8 +1,9 @@
 """`cudnn-graphs cache ...`: list, summarise, check, trim, clear and share (export/import) the on-disk plan cache.
 
 Exit status: 0 done; 1 the command found problems (corrupt or unusable records, a corrupt bundle, records that
-could not be written); 2 usage or configuration errors (bad paths, `--load` without a GPU, `clear` refused).
-Looking at the cache (`ls`, `stats`, `verify`, `export`) never counts as a use of its records.
+could not be written or removed); 2 usage or configuration errors (bad paths, a directory that is not a plan
+cache, `--load` without a GPU, `clear` refused). Looking at the cache (`ls`, `stats`, `verify`, `export`) never
+counts as a use of its records and never creates it.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from plan_cache import PlanRecord, PlanStore, redact_url
+from plan_cache import CacheError, PlanRecord, PlanStore, redact_url
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
 from . import config
@@ -31,6 +33,7 @@ __all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
 _NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
 _SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
 _LOAD_STATUSES = ("loads", "rebuilt", "foreign", "unusable")
+_FILE_COUNTS = ("ok", "corrupt", "untrusted", "unreadable", "removed_temp")  # PlanStore.verify()'s report
 
 
 class _Exit(Exception):
@@ -108,32 +111,57 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
 
 
-_READ_ONLY = ("ls", "stats", "verify", "export", "push")
+_NO_CREATE = ("ls", "stats", "verify", "export", "push", "prune", "clear")  # only import and pull create a cache
+_OPEN_READ_ONLY = ("ls", "stats")  # as a system tier is opened: they can list a root-owned one too
 
 
 def run_cache(args: argparse.Namespace) -> int:
     """Run the parsed `cache` subcommand; the exit status."""
     try:
-        root = config.cache_dir() if getattr(args, "cache", None) is None else args.cache
-        if args.cache_command in _READ_ONLY and not os.path.lexists(root):  # looking must not create it
-            if args.cache_command in ("export", "push"):
-                return _fail(f"no plan cache at {root}: nothing to {args.cache_command}", 1)
-            print(f"no plan cache at {root} (nothing has been cached there yet)")
-            if args.cache_command == "stats" and args.remote:  # the remote has its own story to tell
-                info = _remote_stats(args)
-                if args.json:
-                    _dump(info)
-                else:
-                    print("\n" + _remote_table(info))
-            return 0
-        store = _open_store(root)
+        root = _root(args)
+        if args.cache_command in _NO_CREATE and not os.path.lexists(root):
+            return _no_cache(root, args)
+        store = _open_store(root, read_only=args.cache_command in _OPEN_READ_ONLY)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
         return _fail(f"{err}; nothing imported", 1)
     except _Exit as err:
         return _fail(str(err), err.code)
-    except (CudnnGraphsError, OSError) as err:
+    except (CudnnGraphsError, CacheError, OSError) as err:  # CacheError: NotACacheError from clear and prune
         return _fail(str(err), 2)
+
+
+def _root(args: argparse.Namespace):
+    if getattr(args, "cache", None) is None:
+        return config.cache_dir()
+    if not args.cache.strip():  # Path("") is the working directory: never take an unset variable for a cache
+        raise _Exit(f"--cache {args.cache!r}: an empty path names no cache directory (an unset shell variable?); "
+                    "nothing done")
+    return args.cache
+
+
+def _no_cache(root, args: argparse.Namespace) -> int:
+    """What a command that must not create the cache says when there is none at `root`."""
+    command = args.cache_command
+    if command in ("clear", "prune"):
+        return _fail(f"no plan cache at {root}: nothing to {command} (is the path right?)", 2)
+    if command in ("export", "push"):
+        return _fail(f"no plan cache at {root}: nothing to {command}", 1)
+    note = f"no plan cache at {root} (nothing has been cached there yet)"
+    if not args.json:
+        print(note)
+        if command == "stats" and args.remote:  # the remote has its own story to tell
+            print("\n" + _remote_table(_remote_stats(args)))
+        return 0
+    print(note, file=sys.stderr)  # standard output stays JSON
+    if command == "ls":
+        _dump([])
+    elif command == "stats":
+        info = _stats_from(root, [], entries=0, total_bytes=0, max_bytes=config.cache_max_bytes())
+        _dump({**info, "remote": _remote_stats(args)} if args.remote else info)
+    else:
+        _dump(_verify_json(root, dict.fromkeys(_FILE_COUNTS, 0), False, {"ok": 0, "unusable": 0}, [], 0))
+    return 0
 
 
 def _fail(message: str, code: int) -> int:
@@ -141,8 +169,8 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _open_store(root) -> PlanStore:
-    return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH)
+def _open_store(root, *, read_only: bool = False) -> PlanStore:
+    return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH, read_only=read_only)
 
 
 # --- reading records without side effects --------------------------------------------------------------------
@@ -186,7 +214,14 @@ def _text(value: Any) -> str | None:
 
 
 def _stamp(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A time stamp from meta, or None: -inf or nan in an imported record must not crash `ls` or break JSON."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _parts(meta: dict) -> list[dict]:
@@ -236,12 +271,19 @@ def _summary(row: _Row) -> dict[str, Any]:
 # --- formatting ----------------------------------------------------------------------------------------------
 
 def _table(header: list[str], rows: list[list[Any]], *, right: tuple[int, ...] = ()) -> str:
-    """Columns padded to their widest cell, two spaces apart; columns in `right` right-aligned."""
-    cells = [header] + [["-" if c is None else str(c) for c in row] for row in rows]
+    """Columns padded to their widest cell, two spaces apart; columns in `right` right-aligned. Every cell is
+    printable: meta from an imported bundle must not reach the terminal raw (ESC sequences, BEL, CR)."""
+    cells = [[_printable(c) for c in header]] + [["-" if c is None else _printable(str(c)) for c in row]
+                                                 for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in cells]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _printable(text: str) -> str:
+    """`text` with each non-printable character escaped as Python writes it (ESC -> \\x1b)."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def human_bytes(n: int | None) -> str:
@@ -350,13 +392,17 @@ def _remote_table(remote: dict) -> str:
 
 
 def _stats_info(store: PlanStore) -> dict[str, Any]:
-    summaries = [_summary(row) for row in _rows(store)]
-    readable = [s for s in summaries if s["status"] == "ok"]
     counts = store.stats()
+    return _stats_from(store.root, [_summary(row) for row in _rows(store)], entries=counts["entries"],
+                       total_bytes=counts["total_bytes"], max_bytes=store.max_bytes)
+
+
+def _stats_from(root, summaries: list[dict], *, entries: int, total_bytes: int, max_bytes: int | None) -> dict:
+    readable = [s for s in summaries if s["status"] == "ok"]
     created = [s["created"] for s in readable if s["created"] is not None]
     used = [s["last_used"] for s in summaries]
-    return {"cache": str(store.root), "entries": counts["entries"], "total_bytes": counts["total_bytes"],
-            "max_bytes": store.max_bytes, "unreadable": len(summaries) - len(readable),
+    return {"cache": str(root), "entries": entries, "total_bytes": total_bytes,
+            "max_bytes": max_bytes, "unreadable": len(summaries) - len(readable),
             "by_op": dict(Counter(s["op"] or "?" for s in readable)),
             "by_chosen_by": dict(Counter(s["chosen_by"] or "?" for s in readable)),
             "by_environment": dict(Counter(s["environment"] or "unknown environment" for s in readable)),
@@ -382,11 +428,15 @@ def _verify(store: PlanStore, args) -> int:
     records = {name: tally[name] for name in statuses}
     bad = files["corrupt"] + files["untrusted"] + files["unreadable"] + records["unusable"]
     if args.json:
-        _dump({"cache": str(store.root), "files": files, "load": load, "records": records, "problems": problems,
-               "ok": bad == 0})
+        _dump(_verify_json(store.root, files, load, records, problems, bad))
     else:
         _print_verify(store, files, load, args.device, records, problems, bad)
     return 1 if bad else 0
+
+
+def _verify_json(root, files: dict, load: bool, records: dict, problems: list, bad: int) -> dict:
+    return {"cache": str(root), "files": files, "load": load, "records": records, "problems": problems,
+            "ok": bad == 0}
 
 
 def _want_load(flag: bool | None, device: int) -> bool:
@@ -434,15 +484,20 @@ def _print_verify(store, files, load, device, records, problems, bad) -> None:
 # --- prune, clear --------------------------------------------------------------------------------------------
 
 def _prune(store: PlanStore, args) -> int:
+    store.check_marked()  # NotACacheError: nothing is deleted in a directory that is not a cache
     before = store.stats()["total_bytes"]
     removed = store.prune(args.max_bytes)
     after = store.stats()["total_bytes"]
     print(f"pruned {_plural(removed, 'record')}: {human_bytes(before)} -> {human_bytes(after)} "
           f"(target {human_bytes(args.max_bytes)}) in {store.root}")
+    if after > args.max_bytes:
+        raise _Exit(f"{store.root} still holds {human_bytes(after)}, over the target: another process holds its "
+                    "eviction lock, or records could not be removed (the warning above says why)", 1)
     return 0
 
 
 def _clear(store: PlanStore, args) -> int:
+    store.check_marked()  # before asking: a directory that is not a cache is refused, whatever the answer
     count = len(store)
     if not args.yes:
         if not sys.stdin.isatty():
@@ -452,6 +507,9 @@ def _clear(store: PlanStore, args) -> int:
             print("nothing removed")
             return 1
     print(f"removed {_plural(store.clear(), 'record')} from {store.root}")
+    left = len(store)
+    if left:
+        raise _Exit(f"{_plural(left, 'record')} could not be removed from {store.root} (the warning above says why)", 1)
     return 0
 
 

@@ -39,11 +39,12 @@ class Recorder:
         line = spec_line(spec)
         if line in self._seen:
             return False
-        import filelock
+        from plan_cache._files import NoFollowLock
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # One lock across processes: read what others appended, then append ours only if still new.
-        with filelock.FileLock(f"{self.path}.lock", timeout=30):
+        # NoFollowLock: a symbolic link planted at FILE.lock is refused, never truncated (CVE-2025-68146).
+        with NoFollowLock(f"{self.path}.lock", timeout=30):
             self._refresh()
             if line in self._seen:
                 return False

@@ -130,6 +130,8 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
     import os
     import tempfile
 
+    from plan_cache._files import replace_regular
+
     from .recording import spec_line
 
     text = "".join(spec_line(source.spec) + "\n" for source in sources)
@@ -138,7 +140,7 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.replace(temp, path)
+        replace_regular(temp, path)  # a FIFO or device named as the output is refused, never replaced
     except BaseException:
         if os.path.exists(temp):
             os.unlink(temp)

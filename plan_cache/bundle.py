@@ -105,7 +105,8 @@ def export_bundle(store, path: str | os.PathLike[str], *, keys: Iterable[str] | 
 
     Records are read with `store.get`, so corrupt or untrusted ones are never exported (the store quarantines
     them). A key in `keys` with no readable record raises KeyError before anything is written. The file is
-    written atomically: readers see the old file or the whole new one.
+    written atomically: readers see the old file or the whole new one. A `path` that exists and is not a
+    regular file (a FIFO, a device) raises NotRegularFileError (an OSError) and is left as it was.
     """
     wanted = None if keys is None else [validate_key(k) for k in keys]
     entries = []
@@ -117,7 +118,8 @@ def export_bundle(store, path: str | os.PathLike[str], *, keys: Iterable[str] | 
             entries.append(encode(record))
     target = Path(os.fspath(path))
     temp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
-    write_atomic(target, pack_bundle(entries), temp=temp, mode=0o666)  # mode: the umask decides, as for any file
+    # mode: the umask decides, as for any file; a FIFO or device at `path` is refused, never replaced
+    write_atomic(target, pack_bundle(entries), temp=temp, mode=0o666, regular_only=True)
     return len(entries)
 
 

@@ -40,3 +40,31 @@ class UntrustedCacheError(CacheError, PermissionError):
 
     def __reduce__(self):
         return (type(self), (self.path, self.reason))
+
+
+class NotACacheError(CacheError, ValueError):
+    """`clear` or `prune` was pointed at a directory that is not marked as a plan cache (no CACHEDIR.TAG,
+    and not the layout this package writes): nothing in it is deleted."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str):
+        self.path = os.fspath(path)
+        self.reason = reason
+        super().__init__(f"{self.path!r} is not a plan cache ({reason}); nothing was deleted. Name the cache "
+                         "directory itself (a plan cache holds a CACHEDIR.TAG written by cudnn-graphs)")
+
+
+class NotRegularFileError(CacheError, OSError):
+    """A file about to be replaced exists and is not a regular file (a FIFO, a device, a directory, a
+    link): replacing it would swap a device node or a pipe for a plain file, so it is refused."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str):
+        self.path = os.fspath(path)
+        self.kind = kind
+        super().__init__(errno.EEXIST, f"{self.path} exists and is {kind}, not a regular file; not replaced",
+                         self.path)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.kind))

@@ -3,10 +3,19 @@
 Layout under `root` (every directory mode 0o700, every file 0o600):
 
     root/v1/<key[:2]>/<key>.rec       one record (format: plan_cache.record); its mtime is the last use
-    root/v1/<key[:2]>/.tmp-<host>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept
-                                      at the next scan when that pid is gone from this host, else once stale
+    root/v1/<key[:2]>/.tmp-<writer>-<pid>-<hex>  a write in progress, or debris of a killed writer: swept at
+                                      the next scan when that pid is gone from this host and PID namespace
+                                      (<writer> names both), else once stale
     root/quarantine/<ns>-<pid>-<hex>-<name>   corrupt or untrusted files, kept for inspection (newest few)
-    root/.evict.lock                  FileLock held only while evicting (.evict.softlock where flock fails)
+    root/.evict.lock                  flock held only while evicting (.evict.softlock where flock fails)
+    root/.write.lock                  flock held by conditional puts (read-compare-replace)
+    root/CACHEDIR.TAG                 marks the root as a cache (bford.info/cachedir): backup tools skip it,
+                                      and `clear`/`prune` refuse a directory without it
+
+`clear`, `prune`, eviction and the sweeps delete only names of this layout, and `clear`/`prune` only in a
+marked root. The mark is written when the store creates the root, or lays out `v1/` in a directory that
+holds nothing else; a root of an earlier version (no mark, only this layout) is marked when first cleared
+or pruned; a directory that holds other files is never marked.
 
 Parts, in order: trust checks, reading (get), writing (put), eviction, maintenance (verify, delete, clear).
 Concurrency model: readers and writers take no lock. A write goes to a unique temp file in the record's own
@@ -23,6 +32,7 @@ import functools
 import logging
 import math
 import os
+import re
 import secrets
 import stat
 import threading
@@ -31,8 +41,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ._files import write_atomic
-from .errors import CorruptRecordError, UntrustedCacheError
+from ._files import NoFollowLock, write_atomic
+from .errors import CorruptRecordError, NotACacheError, UntrustedCacheError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
 
 if TYPE_CHECKING:
@@ -47,6 +57,14 @@ TOUCH_INTERVAL = 1.0  # a hit rewrites the last-use time only when it is older t
 QUARANTINE_KEEP = 32  # quarantined files kept for inspection; older ones are deleted
 RECORD_SUFFIX = ".rec"
 TEMP_PREFIX = ".tmp-"
+TAG_NAME = "CACHEDIR.TAG"
+TAG_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"  # the Cache Directory Tagging spec's header
+_TAG_TEXT = TAG_SIGNATURE + (b"\n# This file is a cache directory tag created by cudnn-graphs (its plan cache).\n"
+                             b"# For information about cache directory tags see https://bford.info/cachedir/\n")
+_ROOT_NAMES = frozenset({TAG_NAME, f"v{FORMAT_VERSION}", "quarantine", ".write.lock", ".evict.lock",
+                         ".write.softlock", ".evict.softlock"})
+_FAN_OUT_RE = re.compile(r"[0-9A-Za-z_-]{1,2}")  # key[:2] of a valid key
+_QUARANTINED_RE = re.compile(r"\d{20}-\d+-[0-9a-f]{8}-.*\.rec", re.S)  # _move_to_quarantine's names
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -99,15 +117,24 @@ def _distrust(st: os.stat_result, *, root_may_own: bool = False) -> str | None:
     return None
 
 
-def _trusted_dir(path: Path, *, follow: bool = False) -> None:
-    """Create `path` 0o700 if absent; refuse it if it is not a directory we alone can write. Only the
-    root may be reached through a symbolic link (`follow`): nothing under it is ever followed."""
+def _trusted_dir(path: Path, *, follow: bool = False, create: bool = True) -> bool:
+    """Create `path` 0o700 if absent (`create`); refuse it if it is not a directory we alone can write;
+    whether it was created. Only the root may be reached through a symbolic link (`follow`): nothing
+    under it is ever followed. Without `create`, a missing `path` is fine (False)."""
+    created = False
     try:
-        path.mkdir(mode=_DIR_MODE, parents=True)
-        os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
+        if create:
+            path.mkdir(mode=_DIR_MODE, parents=True)
+            os.chmod(path, _DIR_MODE)  # a umask cannot widen 0o700, but an odd one could narrow it unusably
+            created = True
     except FileExistsError:
         pass
-    st = os.stat(path) if follow else os.lstat(path)
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        if create:
+            raise
+        return False
     if stat.S_ISLNK(st.st_mode):
         raise UntrustedCacheError(path, "is a symbolic link")
     if not stat.S_ISDIR(st.st_mode):
@@ -115,6 +142,7 @@ def _trusted_dir(path: Path, *, follow: bool = False) -> None:
     reason = _distrust(st)
     if reason is not None:
         raise UntrustedCacheError(path, reason)
+    return created
 
 
 def _trusted_existing_dir(path: Path) -> None:
@@ -181,18 +209,23 @@ class PlanStore:
         self._lock_timeout = float(_number("lock_timeout", lock_timeout))
         self._stale_temp_age = float(_number("stale_temp_age", stale_temp_age))
         self._touch_interval_ns = int(_number("touch_interval", touch_interval) * 1e9)
+        if not os.fspath(root).strip():  # Path("") is the working directory: an unset variable, not a cache
+            raise ValueError(f"root: {os.fspath(root)!r} is an empty path, not a cache directory")
         self._root = Path(os.fspath(root))
         self._records = self._root / f"v{FORMAT_VERSION}"
         self._quarantine = self._root / "quarantine"
         self._use_soft_lock = False
+        self._stuck: set[str] = set()  # locks that timed out: tried without waiting until acquired again
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts_lock = threading.Lock()
         self._read_only = bool(read_only)
         if self._read_only:  # a shared system tier: never created, written, touched or quarantined in
             _trusted_existing_dir(self._root)
             return
-        _trusted_dir(self._root, follow=True)
-        _trusted_dir(self._records)
+        if _trusted_dir(self._root, follow=True):
+            self._lay_out()
+        else:  # an existing root gets v1/ at its first put: `cache ls` on a read-only one creates nothing
+            _trusted_dir(self._records, create=False)
 
     @classmethod
     def open_or_none(cls, root: str | os.PathLike[str], **kwargs: Any) -> PlanStore | None:
@@ -317,7 +350,7 @@ class PlanStore:
         # Last use lives in the record's own mtime, set explicitly: no sidecar to orphan, works on noatime mounts,
         # and a put (a new file) starts it at "now". Throttled so that hot hits do not write.
         now = time.time_ns()
-        if now - st.st_mtime_ns < self._touch_interval_ns:
+        if 0 <= now - st.st_mtime_ns < self._touch_interval_ns:  # a future mtime (skewed clock) is rewritten too
             return
         try:
             os.utime(path, ns=(now, now))
@@ -358,12 +391,18 @@ class PlanStore:
         return f"moved to {dest}"
 
     def _prune_quarantine(self) -> None:
-        if _unsafe_dir(self._quarantine) is not None:  # never delete through a link or in a foreign directory
-            return
-        entries = sorted(_scandir(self._quarantine), key=lambda e: e.name)  # names start with time_ns: oldest first
+        entries = sorted(self._quarantined(), key=lambda e: e.name)  # names start with time_ns: oldest first
         for entry in entries[:max(0, len(entries) - QUARANTINE_KEEP)]:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
+
+    def _quarantined(self) -> list[os.DirEntry]:
+        """The files this store moved into quarantine/ (by their names): never anything else a person put
+        there, never through a link or in a foreign directory."""
+        if _unsafe_dir(self._quarantine) is not None:
+            return []
+        return [e for e in _scandir(self._quarantine)
+                if _QUARANTINED_RE.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
 
     # --- writing ---------------------------------------------------------------------------------------------
 
@@ -397,7 +436,7 @@ class PlanStore:
             return False
         self._count("puts")
         if self._max_bytes is not None:
-            self._evict_if_over()
+            self._evict_if_over(keep=os.fspath(path))
         return True
 
     def _write_unless_kept(self, path: Path, key: str, data: bytes, keep_existing: Callable[[PlanRecord], bool]) -> bool:
@@ -413,18 +452,75 @@ class PlanStore:
         directory = path.parent
         try:
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
-        except FileNotFoundError:  # v1/ removed under us (a person's rm -rf): recreate it private
-            self._records.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        except FileNotFoundError:  # the first put, or v1/ removed under us (a person's rm -rf)
+            self._lay_out()
             directory.mkdir(mode=_DIR_MODE, exist_ok=True)
         reason = self._unsafe_parents(path)
         if reason is not None:  # a linked fan-out directory would put the record outside the cache
             raise UntrustedCacheError(directory, reason)
-        write_atomic(path, data, temp=directory / f"{TEMP_PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}",
-                     mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+        write_atomic(path, data, temp=directory / temp_name(), mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+
+    def _lay_out(self) -> None:
+        """Create v1/ (private), and mark the root a cache when it holds nothing but this layout."""
+        _trusted_dir(self._root, follow=True)
+        _trusted_dir(self._records)
+        if self._unmarked_reason() is not None and self._foreign_name() is None:
+            self._write_tag()
+
+    # --- the cache mark --------------------------------------------------------------------------------------
+
+    def _write_tag(self) -> None:
+        try:  # best effort: an unmarked cache still works, only `clear` and `prune` refuse it
+            write_atomic(self._root / TAG_NAME, _TAG_TEXT, temp=self._root / f"{TAG_NAME}{temp_name()}",
+                         mode=_FILE_MODE, extra_flags=_O_NOFOLLOW)
+        except OSError as err:
+            logger.info("plan cache: cannot write %s in %s (%s)", TAG_NAME, self._root, err)
+
+    def _unmarked_reason(self) -> str | None:
+        """Why the root's CACHEDIR.TAG does not mark it a cache (absent, not a file, no signature), else None."""
+        try:
+            fd = os.open(self._root / TAG_NAME, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK)
+        except FileNotFoundError:
+            return f"it has no {TAG_NAME}"
+        except OSError as err:
+            return f"its {TAG_NAME} cannot be read ({err.strerror or err})"
+        try:
+            head = os.read(fd, len(TAG_SIGNATURE)) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        except OSError:
+            head = b""
+        finally:
+            os.close(fd)
+        return None if head == TAG_SIGNATURE else f"its {TAG_NAME} lacks the cache directory signature"
+
+    def _foreign_name(self) -> str | None:
+        """A name in the root or v1/ that this layout never writes, or None: then the root is a cache of
+        this package, perhaps of a version that wrote no mark. v1/ itself must exist."""
+        if _unsafe_dir(self._records) is not None or not self._records.is_dir():
+            return f"v{FORMAT_VERSION}/"
+        for item in _scandir(self._root):
+            if item.name not in _ROOT_NAMES and not item.name.startswith(f"{TAG_NAME}{TEMP_PREFIX}"):
+                return item.name
+        for item in _scandir(self._records):
+            if not (_FAN_OUT_RE.fullmatch(item.name) and item.is_dir(follow_symlinks=False)):
+                return f"v{FORMAT_VERSION}/{item.name}"
+        return None
+
+    def check_marked(self) -> None:
+        """Raise NotACacheError unless the root is marked a cache. An unmarked root that holds only this
+        layout (written by a version before the mark) is marked now; a directory with other files never is."""
+        reason = self._unmarked_reason()
+        if reason is None:
+            return
+        foreign = self._foreign_name()
+        if foreign == f"v{FORMAT_VERSION}/":
+            raise NotACacheError(self._root, f"{reason} and no v{FORMAT_VERSION}/ directory of records")
+        if foreign is not None:
+            raise NotACacheError(self._root, f"{reason}, and it holds {foreign!r}, which the plan cache never writes")
+        self._write_tag()
 
     # --- eviction --------------------------------------------------------------------------------------------
 
-    def _evict_if_over(self) -> None:
+    def _evict_if_over(self, *, keep: str) -> None:
         try:
             # Unlocked first look (most puts leave the cache under its cap); it removes the temp files of
             # writers on this host that died (killed mid-put), so they cannot pile up beside the cap.
@@ -433,11 +529,13 @@ class PlanStore:
                 return
             with self._eviction_lock() as held:
                 if held:
-                    self._evict()
+                    self._evict(keep=keep)
         except OSError as err:
             logger.warning("plan cache: eviction failed (%s); the cache may exceed its cap until the next put", err)
 
-    def _evict(self, max_bytes: int | None = None) -> int:
+    def _evict(self, max_bytes: int | None = None, *, keep: str | None = None) -> int:
+        """Evict least recently used records down to the cap; never `keep`, the record this put just wrote
+        (records whose mtime was in the future count as used now, and would outrank it)."""
         # Rescan under the lock: another evictor may have run since the unlocked look. Sweep dead temps as we go.
         cap = self._max_bytes if max_bytes is None else max_bytes
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
@@ -445,6 +543,8 @@ class PlanStore:
         for entry in sorted(entries, key=lambda e: e.mtime_ns):  # least recently used first
             if total <= cap:
                 break
+            if entry.path == keep or not _own_record(entry.path):
+                continue
             if self._unlink_if_unchanged(entry):
                 total -= entry.size
                 evicted += 1
@@ -452,9 +552,11 @@ class PlanStore:
         return evicted
 
     def prune(self, max_bytes: int) -> int:
-        """Evict least recently used records until at most `max_bytes` remain; how many were removed."""
+        """Evict least recently used records until at most `max_bytes` remain; how many were removed.
+        Only in a root marked a cache (else NotACacheError); 0 when another process holds the eviction lock."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes: {max_bytes!r} must be an int >= 0")
+        self.check_marked()
         with self._eviction_lock() as held:
             if not held:
                 return 0
@@ -486,16 +588,18 @@ class PlanStore:
             if lock is not None:
                 lock.release()
 
-    def _acquire_lock(self, name: str) -> filelock.BaseFileLock | None:
-        import filelock  # only writers lock: a process that only reads plans never imports it
-
+    def _acquire_lock(self, name: str) -> NoFollowLock | filelock.BaseFileLock | None:
+        # A lock that timed out once (its holder stopped or hung) is only tried, not waited for, until it is
+        # acquired again: otherwise every conditional put would wait the whole timeout, every time.
+        timeout = 0.0 if name in self._stuck else self._lock_timeout
         if not self._use_soft_lock:
-            lock = filelock.FileLock(os.fspath(self._root / f"{name}.lock"), timeout=self._lock_timeout)
+            lock = NoFollowLock(self._root / f"{name}.lock", timeout=timeout)
             try:
                 lock.acquire()
+                self._stuck.discard(name)
                 return lock
-            except filelock.Timeout:  # before OSError: Timeout is a TimeoutError
-                return self._lock_timed_out(lock)
+            except TimeoutError:  # before OSError: TimeoutError is an OSError
+                return self._lock_timed_out(name, lock.lock_file)
             except (NotImplementedError, OSError) as err:
                 if isinstance(err, OSError) and err.errno not in _NO_FLOCK:
                     # EACCES, EROFS, ENOSPC...: this attempt fails, the next one tries flock again
@@ -504,23 +608,31 @@ class PlanStore:
                 # No flock here (some network filesystems): an exclusively created lock file still serialises.
                 logger.info("plan cache: file locks unsupported under %s (%s); using a soft lock", self._root, err)
                 self._use_soft_lock = True
-        lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=self._lock_timeout)
+        import filelock  # only writers on a filesystem without flock: a reader never imports it
+
+        lock = filelock.SoftFileLock(os.fspath(self._root / f"{name}.softlock"), timeout=timeout)
         try:
             lock.acquire()
+            self._stuck.discard(name)
             return lock
-        except filelock.Timeout:
-            return self._lock_timed_out(lock)
+        except filelock.Timeout:  # a TimeoutError
+            return self._lock_timed_out(name, lock.lock_file)
         except OSError as err:  # a read-only or full disk: no lock this time
             logger.warning("plan cache: cannot take lock %s (%s); going on without it", name, err)
             return None
 
-    def _lock_timed_out(self, lock: filelock.BaseFileLock) -> None:
-        what = "eviction skipped this time" if ".evict" in lock.lock_file else "going on without it"
-        logger.warning("plan cache: lock %s not acquired in %.1f s; %s", lock.lock_file, self._lock_timeout, what)
+    def _lock_timed_out(self, name: str, path: str) -> None:
+        what = "eviction skipped" if name == ".evict" else "going on without it"
+        if name not in self._stuck:  # one warning per stuck spell, not one per put
+            self._stuck.add(name)
+            logger.warning("plan cache: lock %s not acquired in %.1f s (its holder may be stopped or hung); %s, "
+                           "and it is not waited for again until it is free", path, self._lock_timeout, what)
         return None
 
     def _scan(self, *, sweep_before: float | None = None) -> tuple[list[_Entry], int]:
-        """Every record file, and how many temp files older than `sweep_before` were removed (None: none are)."""
+        """Every record file, and how many temp files older than `sweep_before` were removed (None: none are,
+        and nothing is written). Sweeping, a record or temp file last used in the future (a skewed clock)
+        is set to now: it would otherwise never be evicted or swept."""
         entries: list[_Entry] = []
         removed = 0
         for sub in self._fan_out_dirs():
@@ -528,7 +640,8 @@ class PlanStore:
                 try:
                     if item.name.endswith(RECORD_SUFFIX):
                         st = item.stat(follow_symlinks=False)
-                        entries.append(_Entry(item.path, st.st_size, st.st_mtime_ns, st.st_ino))
+                        mtime_ns = st.st_mtime_ns if sweep_before is None else _not_future(item.path, st)
+                        entries.append(_Entry(item.path, st.st_size, mtime_ns, st.st_ino))
                     elif sweep_before is not None and item.name.startswith(TEMP_PREFIX):
                         removed += self._remove_if_stale(item.path, sweep_before)
                 except FileNotFoundError:  # evicted, replaced or swept by another process while we looked
@@ -536,15 +649,18 @@ class PlanStore:
         return entries, removed
 
     def _fan_out_dirs(self) -> list[os.DirEntry]:
-        """The record directories that may be listed, read and deleted in: real directories we alone own
-        (a linked or foreign one is skipped with a warning, and its files are never touched)."""
-        reason = _unsafe_dir(self._records)
+        """The record directories that may be listed, read and deleted in: real directories named as key
+        prefixes that we alone own (or root, in a read-only system tier). A linked or foreign one is skipped
+        with a warning, any other name silently; their files are never touched."""
+        owners = {"root_may_own": self._read_only}
+        reason = _unsafe_dir(self._records, **owners)
         if reason is not None:
             logger.warning("plan cache: %s %s; its records are not used", self._records, reason)
             return []
         out = []
         for sub in _scandir(self._records):
-            unsafe = _unsafe_dir(sub.path) if sub.is_dir(follow_symlinks=False) or sub.is_symlink() else "skip"
+            listed = _FAN_OUT_RE.fullmatch(sub.name) and (sub.is_dir(follow_symlinks=False) or sub.is_symlink())
+            unsafe = _unsafe_dir(sub.path, **owners) if listed else "skip"
             if unsafe is None:
                 out.append(sub)
             elif unsafe != "skip":
@@ -556,7 +672,7 @@ class PlanStore:
         """Remove a temp file whose writer is gone: a process of this host that no longer exists, or
         (any host) no write for longer than the stale age. mtime, not ctime: a live writer's temp
         keeps a fresh mtime while it writes, so it is never swept."""
-        if not _writer_is_dead(os.path.basename(path)) and os.lstat(path).st_mtime >= before:
+        if not _writer_is_dead(os.path.basename(path)) and _not_future(path, os.lstat(path)) >= before * 1e9:
             return 0
         try:
             os.unlink(path)
@@ -606,8 +722,11 @@ class PlanStore:
         return True
 
     def clear(self) -> int:
-        """Remove every record, stale temp file and quarantined file; the number of records removed."""
+        """Remove every record, stale temp file and quarantined file; the number of records removed. Only
+        names this store writes are deleted, and only in a root marked a cache (else NotACacheError)."""
+        self.check_marked()
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
+        entries = [e for e in entries if _own_record(e.path)]
         removed, failed = 0, None
         for entry in entries:
             try:
@@ -619,10 +738,9 @@ class PlanStore:
                 failed = failed or err
         if failed is not None:
             logger.warning("plan cache: %d record(s) could not be removed (%s)", len(entries) - removed, failed)
-        if _unsafe_dir(self._quarantine) is None:  # never delete through a link or in a foreign directory
-            for item in _scandir(self._quarantine):
-                with contextlib.suppress(OSError):
-                    os.unlink(item.path)
+        for item in self._quarantined():
+            with contextlib.suppress(OSError):
+                os.unlink(item.path)
         return removed
 
     def keys(self) -> Iterator[str]:
@@ -648,21 +766,34 @@ class PlanStore:
                 **counts}
 
 
+def temp_name() -> str:
+    """A unique name for a temp file of this process: .tmp-<writer id>-<pid>-<hex>."""
+    return f"{TEMP_PREFIX}{_writer_id()}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
 @functools.lru_cache(maxsize=1)
-def _host() -> str:
-    """This host's name as temp names carry it (a writer's pid only says something on its own host);
-    asked on the first write, so a process that only reads never imports socket."""
+def _writer_id() -> str:
+    """Where a writer's pid means something, as temp names carry it: this host's name and, on Linux, a
+    digest of this boot and PID namespace (containers of one host name each have their own pids). Asked
+    on the first write, so a process that only reads never imports socket."""
+    import hashlib
     import socket
 
-    name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32]
-    return name or "host"
+    name = "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            space = os.readlink("/proc/self/ns/pid").encode() + f.read(64)
+    except OSError:  # not Linux, or no /proc: the host name alone, as before
+        return name
+    return f"{name}.{hashlib.sha256(space).hexdigest()[:12]}"
 
 
 def _writer_is_dead(name: str) -> bool:
-    """Whether the temp file `name` (.tmp-<host>-<pid>-<hex>) belongs to a process of this host that
-    has exited. Unknown hosts, old-style names and any doubt say alive: the age rule sweeps those."""
+    """Whether the temp file `name` (.tmp-<writer id>-<pid>-<hex>) belongs to a process of this host and
+    PID namespace that has exited. Other writer ids (another host, another container of the same host
+    name, a name without a namespace), old-style names and any doubt say alive: the age rule sweeps those."""
     parts = name[len(TEMP_PREFIX):].rsplit("-", 2)
-    if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit():
+    if len(parts) != 3 or parts[0] != _writer_id() or not parts[1].isdigit():
         return False
     pid = int(parts[1])
     if pid == os.getpid():
@@ -676,6 +807,19 @@ def _writer_is_dead(name: str) -> bool:
     return False
 
 
+def _not_future(path: str, st: os.stat_result) -> int:
+    """The file's mtime in ns, or now, written to the file, when it lies in the future (a clock that ran
+    ahead): last use "now" lets it age from here."""
+    now = time.time_ns()
+    if st.st_mtime_ns <= now:
+        return st.st_mtime_ns
+    try:
+        os.utime(path, ns=(now, now), follow_symlinks=False)
+        return os.lstat(path).st_mtime_ns  # as stored (a coarse clock rounds): eviction compares it
+    except OSError:  # gone, or a read-only disk: still counted as used now
+        return now
+
+
 def _read_exactly(fd: int, size: int) -> bytes:
     """`size` bytes from `fd`, and no more (a file that grew meanwhile is read as checked; a short one
     yields what it has and fails its checksum)."""
@@ -687,6 +831,13 @@ def _read_exactly(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def _own_record(path: str) -> bool:
+    """Whether `path` is named as this store names records: <fan-out>/<key>.rec, a valid key under its key[:2]."""
+    directory, name = os.path.split(path)
+    key = name[:-len(RECORD_SUFFIX)]
+    return name.endswith(RECORD_SUFFIX) and _is_key(key) and key[:2] == os.path.basename(directory)
 
 
 def _is_key(name: str) -> bool:

@@ -192,8 +192,8 @@ def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_pat
     fan.mkdir(mode=0o700)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    names = {"dead": f"{store_mod.TEMP_PREFIX}{store_mod._host()}-{int(dead.stdout)}-00ff",
-             "live": f"{store_mod.TEMP_PREFIX}{store_mod._host()}-{os.getppid()}-00ff",
+    names = {"dead": f"{store_mod.TEMP_PREFIX}{store_mod._writer_id()}-{int(dead.stdout)}-00ff",
+             "live": f"{store_mod.TEMP_PREFIX}{store_mod._writer_id()}-{os.getppid()}-00ff",
              "other host": f"{store_mod.TEMP_PREFIX}elsewhere-{int(dead.stdout)}-00ff",
              "old style": f"{store_mod.TEMP_PREFIX}{int(dead.stdout)}-00ff"}
     for name in names.values():
@@ -212,9 +212,9 @@ def test_temp_files_of_dead_writers_are_swept_at_once_and_live_ones_kept(tmp_pat
 def test_a_lock_refused_once_does_not_turn_the_store_to_soft_locks(store, monkeypatch, caplog):
     import errno
 
-    import filelock
+    from plan_cache._files import NoFollowLock
 
-    real_acquire = filelock.FileLock.acquire
+    real_acquire = NoFollowLock.acquire
     calls = []
 
     def refuse_once(self, *args, **kwargs):
@@ -223,7 +223,7 @@ def test_a_lock_refused_once_does_not_turn_the_store_to_soft_locks(store, monkey
             raise PermissionError(errno.EACCES, "Permission denied")
         return real_acquire(self, *args, **kwargs)
 
-    monkeypatch.setattr(filelock.FileLock, "acquire", refuse_once)
+    monkeypatch.setattr(NoFollowLock, "acquire", refuse_once)
     with caplog.at_level(logging.WARNING, logger="plan_cache"):
         assert store.prune(1 << 30) == 0  # no lock this time: nothing evicted, a warning
         store.prune(1 << 30)

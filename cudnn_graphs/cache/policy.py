@@ -6,6 +6,11 @@ from typing import Any
 
 from ..environment import Environment
 
+# Planning rules that changed which plan a spec gets, {name: version}: a stored record planned before a rule
+# (or under an older version of it) is built anew and replaced, even if autotuned; other records stay valid.
+# Bump a rule's version when its choice changes; add one for a new rule (plan.session.plan_rules applies them).
+PLAN_RULES = {"depthwise_fwd_epilogue_unfused": 1}
+
 AUTOTUNE = "autotune"
 HEURISTICS = "heuristics"
 # Session flags ride in the fingerprint too, but a record built under other flags is still for this machine.
@@ -33,12 +38,19 @@ def rules_behind(meta: dict, rules: dict[str, int]) -> bool:
 def keep_stored(new, old) -> bool:
     """Whether the stored record `old` stays when `new` arrives: when it outranks it, planning rules first
     (a record planned under older rules gives way even if autotuned), then autotuned over heuristic. For
-    `PlanStore.put(keep_existing=partial(keep_stored, new))` and `import_bundle(keep_existing=keep_stored)`."""
-    if rules_behind(old.meta, rules_of(new.meta)):
+    `PlanStore.put(keep_existing=partial(keep_stored, new))` and `import_bundle(keep_existing=keep_stored)`.
+    Only rules of PLAN_RULES count: a stamp naming a rule this version does not know (forged, damaged, or
+    from another version) must not keep a record forever, whatever replaces it."""
+    if rules_behind(old.meta, _known(rules_of(new.meta))):
         return False
-    if rules_behind(new.meta, rules_of(old.meta)):
+    if rules_behind(new.meta, _known(rules_of(old.meta))):
         return True
     return rank(old.meta) > rank(new.meta)
+
+
+def _known(rules: dict) -> dict[str, int]:
+    return {name: v for name, v in rules.items() if name in PLAN_RULES and isinstance(v, int)
+            and not isinstance(v, bool)}
 
 
 def machine_fields(env: dict) -> dict:

@@ -16,7 +16,7 @@ from gpu_launch import driver
 
 from .. import config
 from ..cache import keep_stored, load_plan, open_remote, open_store, open_system_store, plan_to_record, rank
-from ..cache.policy import for_machine, key_matches
+from ..cache.policy import PLAN_RULES, for_machine, key_matches
 from ..environment import environment, gpu_problem
 from ..execute import cudnn_backend
 from ..errors import CudnnBackendError, NoGpuError, UnsupportedGraphError
@@ -693,12 +693,6 @@ def _fusion_order(spec, fuse: bool) -> tuple[bool, ...]:
     if not fuse:
         return (False,)
     return (False, True) if _depthwise_fwd(spec) else (True, False)
-
-
-# Planning rules that changed which plan a spec gets, {name: version}: a stored record planned before a rule
-# (or under an older version of it) is built anew and replaced, even if autotuned; other records stay valid.
-# Bump a rule's version when its choice changes; add one for a new rule.
-PLAN_RULES = {"depthwise_fwd_epilogue_unfused": 1}
 
 
 def plan_rules(spec) -> dict[str, int]:
