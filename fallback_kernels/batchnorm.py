@@ -25,7 +25,7 @@ CTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 BLOCK = 256
 MAX_BLOCKS = 132 * 8  # grid-stride loops: a few waves of an H100's SMs cover any size
-TILE, LANES = 32, 32  # the reduction's block: TILE channels x LANES row lanes (batchnorm.cu)
+TILE, LANES = 32, 16  # the reduction's block: TILE threads (of 1-2 channels) x LANES row lanes (batchnorm.cu)
 CHUNK_ROWS = 1024  # rows a reduction block sums: enough blocks for the GPU at ResNet sizes, few partials
 NULL = 0
 
