@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-from . import config
+from . import _json, config
 from .errors import ConfigError
 
 log = logging.getLogger("cudnn_graphs")
@@ -126,9 +126,9 @@ def _append(fd: int, line: str) -> None:
 def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
     """(file, line number, dict or None, error or None) for every non-blank, non-comment line of a
     spec file ('-' reads standard input); the caller turns each dict into a spec and reports errors.
-    A line that is not UTF-8, not JSON, nested too deep or holding an over-long number is an error on
-    that line, never an exception. A line over MAX_LINE_BYTES is an error that ends the file: past it
-    lies no spec file (a binary file, /dev/zero)."""
+    A line that is not UTF-8, not JSON, nested too deep, holding an over-long number or a key twice is an
+    error on that line, never an exception. A line over MAX_LINE_BYTES is an error that ends the file: past
+    it lies no spec file (a binary file, /dev/zero)."""
     stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     with stream:
         for number, raw in enumerate(_capped_lines(stream), 1):
@@ -144,12 +144,12 @@ def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | Non
             if not text or text.startswith("#"):
                 continue
             try:
-                data = json.loads(text)
+                data = _json.loads(text)
             except json.JSONDecodeError as err:
                 yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
             except RecursionError:
                 yield path, number, None, "not a spec: JSON nested too deep"
-            except ValueError as err:  # e.g. an integer of more than 4300 digits
+            except ValueError as err:  # an integer of more than 4300 digits, a key given twice
                 yield path, number, None, f"not a spec: {err}"
             else:
                 if isinstance(data, dict):
