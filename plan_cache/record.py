@@ -28,8 +28,8 @@ import msgpack
 
 from .errors import CorruptRecordError
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "HEADER_SIZE", "MAX_META_BYTES", "MAX_RECORD_BYTES", "PlanRecord", "DecodedRecord",
-           "encode", "decode", "pack_frame", "validate_key"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "HEADER_SIZE", "MAX_META_BYTES", "MAX_RECORD_BYTES", "PlanRecord",
+           "DecodedRecord", "encode", "decode", "pack_frame", "validate_key"]
 
 FORMAT_VERSION = 1
 MAGIC = b"CGPLAN\0"
