@@ -11,7 +11,7 @@ from typing import Sequence
 from . import config
 from ._version import __version__
 from .cache_cli import add_cache_parser, run_cache
-from .environment import environment, environment_from_file
+from .environment import environment, environment_from_file, libcudnn_problem
 from .errors import CudnnGraphsError, SpecError
 from .recording import read_spec_file
 from .signature import signature
@@ -115,6 +115,9 @@ def _positive_int(text: str) -> int:
 def _check(args) -> int:
     from .graph import build_graph
 
+    if not args.no_graph and libcudnn_problem() is not None:  # else every valid spec fails alike, one by one
+        raise CudnnGraphsError(f"building graphs needs libcudnn: {libcudnn_problem()}. Fix: pip install "
+                               "'cudnn-graphs[cu12]' (or [cu13]), or pass --no-graph to validate the specs only")
     rows = []
     env = environment_from_file(args.target_env) if args.target_env else environment()
     for path, number, data, error in (item for f in args.specfile for item in read_spec_file(f)):

@@ -133,16 +133,16 @@ def _cudnn_versions() -> tuple[int, str, int]:
     from .execute import cudnn_backend
 
     try:
-        frontend = _frontend_version()
+        frontend = frontend_version()
         backend, runtime = cudnn_backend.version(), cudnn_backend.cudart_version()
     except Exception:  # no frontend or no libcudnn: the fingerprint says so
         return 0, NO_GPU, 0
     return backend, frontend, runtime
 
 
-def _frontend_version() -> str:
-    """The installed frontend's version, from the dist-info beside the `cudnn` package that an import
-    would load (a full metadata scan costs ~25 ms), else from the metadata."""
+def frontend_version() -> str:
+    """The installed frontend's version (ImportError when there is none), from the dist-info beside the
+    `cudnn` package that an import would load (a full metadata scan costs ~25 ms), else from the metadata."""
     import glob
     import importlib.util
     import os
@@ -171,6 +171,12 @@ def gpu_problem(device: int = 0) -> str | None:
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or device >= count.value:
         return f"no CUDA device {device} (this machine has {count.value})"
+    return libcudnn_problem()
+
+
+def libcudnn_problem() -> str | None:
+    """Why libcudnn cannot be loaded (the `cu12`/`cu13` extra is missing ...), or None. Building a graph
+    needs it too, GPU or not: the frontend creates a cuDNN handle for every graph."""
     from .execute import cudnn_backend
 
     try:
