@@ -7,8 +7,9 @@ plan -> cache -> execute.
 from ._version import __version__
 from .api import conv_bwd_data, conv_bwd_filter, conv_fwd, default_session, run
 from .environment import Environment, environment
-from .errors import (BufferMismatchError, ConfigError, CudnnGraphsError, FrontendMissingError, GraphCaptureError,
-                     KernelCompileError, ShapeError, SpecError, UnsupportedGraphError)
+from .errors import (BufferMismatchError, ConfigError, CudaDriverError, CudnnBackendError, CudnnGraphsError,
+                     FrontendMissingError, GraphCaptureError, KernelCompileError, NoGpuError, ShapeError, SpecError,
+                     TargetEnvError, UnsupportedGraphError)
 from .graph import GraphBuild, GraphPart, build_graph
 from .plan import Plan, Session
 from .recording import record
@@ -19,8 +20,9 @@ from .spec import (ACTIVATIONS, Activation, ConvBwdDataSpec, ConvBwdFilterSpec, 
 
 __all__ = [
     "ACTIVATIONS", "Activation", "BufferMismatchError", "ConfigError", "ConvBwdDataRequest", "ConvBwdDataSpec",
-    "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudnnGraphsError", "Environment",
-    "FrontendMissingError", "GraphBuild", "GraphCaptureError", "GraphPart", "KernelCompileError", "Plan", "Session",
-    "ShapeError", "SpecError", "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data",
-    "conv_bwd_filter", "conv_fwd", "default_session", "environment", "record", "run", "signature", "spec_from_dict",
+    "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudaDriverError",
+    "CudnnBackendError", "CudnnGraphsError", "Environment", "FrontendMissingError", "GraphBuild", "GraphCaptureError",
+    "GraphPart", "KernelCompileError", "NoGpuError", "Plan", "Session", "ShapeError", "SpecError", "TargetEnvError",
+    "TensorDesc", "UnsupportedGraphError", "__version__", "build_graph", "conv_bwd_data", "conv_bwd_filter",
+    "conv_fwd", "default_session", "environment", "record", "run", "signature", "spec_from_dict",
 ]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
 from . import config
 from ._version import __version__
 from .cache_cli import add_cache_parser, run_cache
-from .environment import environment, environment_from_file
+from .environment import environment, environment_from_file, libcudnn_problem
 from .errors import CudnnGraphsError, SpecError
 from .recording import read_spec_file
 from .signature import signature
@@ -21,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cudnn-graphs",
         description="Turn convolution op specs into cuDNN graphs and cache their plans on disk.",
+        epilog="Exit status: 0 done; 1 problems found; 2 usage or configuration error; 130 interrupted; "
+               "141 standard output closed early (| head).",
     )
     p.add_argument("--version", action="version", version=f"cudnn-graphs {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -52,13 +55,13 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("specfile", nargs="*", help="JSON Lines of spec.to_dict() (e.g. written by record mode); "
                    "'-' reads standard input")
     w.add_argument("--preset", choices=PRESETS, help="a network's conv layers: forward, dgrad and wgrad")
-    w.add_argument("--batch", type=_positive_int, default=32, help="preset batch size (default 32)")
-    w.add_argument("--dtype", default="float16", type=_dtype_arg,
+    w.add_argument("--batch", type=_positive_int, help="preset batch size (default 32); with --preset only")
+    w.add_argument("--dtype", type=_dtype_arg,
                    help="preset dtype, any spelling the API takes: float16/half/fp16, bfloat16/bf16, float32, "
-                   "float64 (default float16)")
-    w.add_argument("--layout", default="channels_last", type=_layout_arg,
+                   "float64 (default float16); with --preset only")
+    w.add_argument("--layout", type=_layout_arg,
                    help="preset memory layout: channels_last/NHWC or channels_first/NCHW, any case "
-                   "(default channels_last)")
+                   "(default channels_last); with --preset only")
     w.add_argument("--autotune", action="store_true",
                    help="time every candidate plan and store the fastest (upgrades heuristic records)")
     w.add_argument("--autotune-limit", type=_positive_int, default=None, metavar="N",
@@ -71,8 +74,8 @@ def _add_warmup_parser(sub) -> None:
     w.add_argument("--dry-run", action="store_true", help="print specs and signatures only; needs no GPU")
     w.add_argument("--target-env", metavar="FILE", help="with --dry-run: signatures for another machine, from the "
                    "JSON that `cudnn-graphs env` printed there")
-    w.add_argument("--emit", metavar="FILE", help="write the specs (spec files and preset) to FILE as JSON Lines "
-                   "for editing, then stop; needs no GPU")
+    w.add_argument("--emit", metavar="FILE", help="write the specs (spec files and preset) to FILE ('-': standard "
+                   "output) as JSON Lines for editing, then stop; needs no GPU")
     w.add_argument("--strict", action="store_true", help="stop at the first bad spec-file line")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--json", action="store_true", help="the summary (or, with --dry-run, every spec with its "
@@ -112,6 +115,9 @@ def _positive_int(text: str) -> int:
 def _check(args) -> int:
     from .graph import build_graph
 
+    if not args.no_graph and libcudnn_problem() is not None:  # else every valid spec fails alike, one by one
+        raise CudnnGraphsError(f"building graphs needs libcudnn: {libcudnn_problem()}. Fix: pip install "
+                               "'cudnn-graphs[cu12]' (or [cu13]), or pass --no-graph to validate the specs only")
     rows = []
     env = environment_from_file(args.target_env) if args.target_env else environment()
     for path, number, data, error in (item for f in args.specfile for item in read_spec_file(f)):
@@ -130,6 +136,9 @@ def _check(args) -> int:
             if not args.json:
                 print(f"{path}:{number}: {row['error']}", file=sys.stderr)
         rows.append(row)
+    if not rows:  # as with no file at all: nothing was checked, which is not a pass
+        print(f"cudnn-graphs check: no specs in {', '.join(args.specfile)}", file=sys.stderr)
+        return 2
     failed = sum("error" in row for row in rows)
     if args.json:
         print(json.dumps({"ok": len(rows) - failed, "failed": failed, "specs": rows}, indent=1))
@@ -150,29 +159,56 @@ def _env(args) -> int:
     return 1 if problems else 0
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a job stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a Unix tool whose reader went away (`| head -1`) exits with
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 done; 1 problems found (bad spec lines, failed plans, a check that failed); 2 usage or
+    configuration errors, one line on stderr; 130 interrupted (Ctrl-C); 141 standard output closed early."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "env":
-            return _env(args)
-        if args.command == "check":
-            return _check(args)
-        if args.command == "doctor":
-            from .doctor import run_doctor
-
-            return run_doctor(args)
-        if args.command == "cache":
-            return run_cache(args)
-        if args.command == "warmup":
-            from .warmup import run_warmup
-
-            return run_warmup(args)
+        return _run(parser, args)
+    except KeyboardInterrupt:
+        print("cudnn-graphs: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
     except (CudnnGraphsError, OSError) as err:
         print(f"cudnn-graphs: {err}", file=sys.stderr)
         return 2
+
+
+def _run(parser: argparse.ArgumentParser, args) -> int:
+    if args.command == "env":
+        return _env(args)
+    if args.command == "check":
+        return _check(args)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor(args)
+    if args.command == "cache":
+        return run_cache(args)
+    if args.command == "warmup":
+        from .warmup import run_warmup
+
+        return run_warmup(args)
     parser.print_help()
     return 0
+
+
+def _drop_stdout() -> None:
+    """Point standard output at /dev/null: what is still buffered for the reader that went away would
+    otherwise fail again, with a second message, when the interpreter flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no usable stdout at all: nothing left to protect
+        pass
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ REMOTE_TIMEOUT = "CUDNN_GRAPHS_REMOTE_TIMEOUT"
 POLICIES = ("heuristic", "autotune")
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
 MIN_REMOTE_KEY_BYTES = 16
+MAX_KEY_FILE_BYTES = 1 << 16  # a secret of some bytes; a key file of gigabytes is a mistake, never read
 DEFAULT_REMOTE_TIMEOUT = 0.5
 
 DEFAULT_MEMORY_CACHE_SIZE = 1024
@@ -187,9 +188,23 @@ def _key_file(path: Path, raw: str) -> bytes:
     if st.st_mode & 0o077:
         raise ConfigError(REMOTE_KEY_FILE, raw, f"is readable or writable by others (mode {st.st_mode & 0o777:o}); "
                           "chmod 600 it")
-    key = path.read_bytes().strip()
+    if st.st_size > MAX_KEY_FILE_BYTES:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"is {st.st_size} bytes; a key file holds one key, at most "
+                          f"{MAX_KEY_FILE_BYTES} bytes")
+    key = _read_key(path, raw)
     if len(key) < MIN_REMOTE_KEY_BYTES:
         raise ConfigError(REMOTE_KEY_FILE, raw, f"holds fewer than {MIN_REMOTE_KEY_BYTES} bytes")
+    return key
+
+
+def _read_key(path: Path, raw: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            key = f.read(MAX_KEY_FILE_BYTES + 1).strip()  # capped: the file may have grown since the stat
+    except OSError as err:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"cannot be read ({err.strerror})") from None
+    if len(key) > MAX_KEY_FILE_BYTES:
+        raise ConfigError(REMOTE_KEY_FILE, raw, f"holds more than {MAX_KEY_FILE_BYTES} bytes")
     return key
 
 

@@ -4,30 +4,39 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from typing import Callable
 
 from plan_cache import redact_url
 
 from . import config
-from .environment import environment, gpu_problem
+from .environment import environment, frontend_version, gpu_problem, libcudnn_problem
 
 
 def run_doctor(args) -> int:
     """Print one line per check (ok / warn / FAIL with the fix); exit 1 when any check fails."""
     failed = 0
     for name, check in _CHECKS:
-        status, detail = check(args)
+        status, detail = _run_check(check, args)
         failed += status == "FAIL"
         print(f"{status:4s}  {name:14s} {detail}")
     print("\nno problems found" if not failed else f"\n{failed} problem(s): fix them before the first call")
     return 1 if failed else 0
 
 
+def _run_check(check: Callable, args) -> tuple[str, str]:
+    try:
+        return check(args)
+    except Exception as err:  # one check that cannot finish must not hide the others and the summary
+        return "FAIL", f"could not be checked ({type(err).__name__}: {err})"
+
+
 def _gpu(args) -> tuple[str, str]:
     problem = gpu_problem(args.device)
     if problem is not None:
+        check = "`check --no-graph`" if libcudnn_problem() else "`check`"  # graphs are built with libcudnn
         return "FAIL", (f"{problem}. Fix: run on a GPU host with the NVIDIA driver; without one only "
-                        "`check` and `warmup --dry-run/--emit` work")
+                        f"{check} and `warmup --dry-run/--emit` work")
     env = environment(args.device)
     return "ok", (f"{env.gpu_name}, compute capability {env.compute_capability[0]}.{env.compute_capability[1]}, "
                   f"{env.sm_count} SMs, driver {env.cuda_driver_version}")
@@ -39,13 +48,15 @@ def _cudnn(args) -> tuple[str, str]:
     try:
         version, runtime = cudnn_backend.version(), cudnn_backend.cudart_version()
     except Exception as err:
-        return "FAIL", f"libcudnn not loadable ({err}). Fix: pip install 'cudnn-graphs[cu12]' (or [cu13])"
+        return "FAIL", (f"libcudnn not loadable ({err}). Fix: pip install 'cudnn-graphs[cu12]' (or [cu13]); "
+                        "until then `check` builds no graph (`check --no-graph` validates specs)")
     return "ok", f"libcudnn {version} (CUDA runtime {runtime}), loaded from {cudnn_backend.lib()._name}"
 
 
 def _frontend(args) -> tuple[str, str]:
-    version = environment(args.device).cudnn_frontend_version
-    if version == "none":
+    try:  # the package alone: the fingerprint's version says "none" when libcudnn is what is missing
+        version = frontend_version()
+    except Exception:  # ImportError, PackageNotFoundError
         return "FAIL", "the cuDNN frontend is not installed. Fix: pip install 'nvidia-cudnn-frontend>=1.26,<1.29'"
     return "ok", f"nvidia-cudnn-frontend {version} (imported only to build plans)"
 
@@ -59,17 +70,49 @@ def _configuration(args) -> tuple[str, str]:
 
 
 def _cache(args) -> tuple[str, str]:
-    if config.CACHE_DIR in config.problems():
+    problems = config.problems()
+    if config.CACHE_DIR in problems or config.DISABLE_CACHE in problems:
         return "FAIL", "see configuration"
     if config.cache_disabled():
         return "warn", f"disabled by {config.DISABLE_CACHE}: every process builds its plans again"
     root = config.cache_dir()
     if not os.path.lexists(root):
-        parent = next((p for p in [root, *root.parents] if p.exists()), None)
-        writable = parent is not None and os.access(parent, os.W_OK)
-        return ("ok" if writable else "FAIL"), (f"{root} does not exist yet; the first plan creates it (0700)"
-                                                if writable else f"{root} cannot be created under {parent}")
-    st = os.stat(root)
+        return _cache_to_create(root)
+    try:
+        st = os.stat(root)
+    except OSError as err:  # a dangling link, a symlink loop
+        return "FAIL", f"{root} cannot be opened ({err.strerror}). Fix: set {config.CACHE_DIR} to a directory of yours"
+    problems_here = _cache_dir_problems(root, st)
+    if problems_here:
+        return "FAIL", (f"{root} {', '.join(problems_here)}. Fix: chmod 700 {root} (if yours) or set "
+                        f"{config.CACHE_DIR}")
+    return _cache_contents(root, cap_known=config.CACHE_MAX_BYTES not in problems)
+
+
+def _cache_to_create(root) -> tuple[str, str]:
+    """A cache root that does not exist yet: can the first plan create it? Asked of the file system itself."""
+    ancestor = next(p for p in root.parents if os.path.lexists(p))
+    fix = f"Fix: set {config.CACHE_DIR} to a directory of yours"
+    if not os.path.isdir(ancestor):
+        return "FAIL", (f"{root} cannot be created: {ancestor} is not a directory (a file, a dangling link or a "
+                        f"symlink loop). {fix}")
+    problem = _mkdir_problem(ancestor)
+    if problem is not None:
+        return "FAIL", f"{root} cannot be created under {ancestor} ({problem}). {fix}"
+    return "ok", f"{root} does not exist yet; the first plan creates it (0700)"
+
+
+def _mkdir_problem(directory) -> str | None:
+    """Why no directory can be made in `directory`, found by making one and removing it: os.access says
+    yes to root in /proc and /sys, and knows nothing of read-only mounts."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cudnn-graphs-doctor-", dir=directory))
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def _cache_dir_problems(root, st: os.stat_result) -> list[str]:
     problems = []
     if not stat.S_ISDIR(st.st_mode):
         problems.append("is not a directory")
@@ -79,17 +122,20 @@ def _cache(args) -> tuple[str, str]:
         problems.append(f"mode {oct(st.st_mode & 0o777)} lets group or others write")
     if not os.access(root, os.W_OK):
         problems.append("is not writable")
-    if problems:
-        return "FAIL", f"{root} {', '.join(problems)}. Fix: chmod 700 {root} (if yours) or set {config.CACHE_DIR}"
+    return problems
+
+
+def _cache_contents(root, *, cap_known: bool) -> tuple[str, str]:
     from plan_cache import PlanStore
 
     try:
         stats = PlanStore(root, touch_interval=1e12).stats()
     except OSError as err:  # UntrustedCacheError names the directory and the fix
         return "FAIL", str(err)
-    cap = config.cache_max_bytes()
-    return "ok", (f"{root}: {stats['entries']} records, {stats['total_bytes']} bytes"
-                  + (f" of a {cap}-byte cap" if cap else ", no cap") + "; a first call loads its plan from here")
+    cap = config.cache_max_bytes() if cap_known else None
+    capped = (f" of a {cap}-byte cap" if cap else ", no cap") if cap_known else ", cap: see configuration"
+    return "ok", (f"{root}: {stats['entries']} records, {stats['total_bytes']} bytes{capped}; a first call "
+                  "loads its plan from here")
 
 
 def _remote(args) -> tuple[str, str]:

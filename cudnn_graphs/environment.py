@@ -11,6 +11,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from .errors import TargetEnvError
+
 NO_GPU = "none"
 
 
@@ -44,22 +46,64 @@ class Environment:
         return cls(**values)
 
 
+MAX_ENV_FILE_BYTES = 1 << 20  # `cudnn-graphs env` prints about a kilobyte; /dev/zero must not be read on
+_INT_FIELDS = ("sm_count", "cudnn_backend_version", "cuda_driver_version", "cuda_runtime_version")
+_STR_FIELDS = ("gpu_name", "cudnn_frontend_version")
+_BOOL_FIELDS = ("deterministic", "allow_tf32")
+
+
 def environment_from_file(path: str) -> Environment:
     """The Environment in a file `cudnn-graphs env` wrote on another machine (its whole JSON output, or
-    the "environment" object alone): signatures for that machine (`check`/`warmup --target-env`)."""
-    import json
+    the "environment" object alone): signatures for that machine (`check`/`warmup --target-env`).
+    TargetEnvError names what is wrong: unreadable, over MAX_ENV_FILE_BYTES, not JSON, a field missing,
+    unknown or of the wrong type."""
+    data = _read_json(path)
+    data = data.get("environment", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise TargetEnvError(path, f"expected a JSON object, got {type(data).__name__}")
+    _check_fields(path, data)
+    return Environment.from_dict(data)
 
-    from .errors import CudnnGraphsError
+
+def _read_json(path: str):
+    from . import _json
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        data = data.get("environment", data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise TypeError("not a JSON object")
-        return Environment.from_dict(data)
-    except (OSError, ValueError, TypeError, RecursionError) as err:
-        raise CudnnGraphsError(f"--target-env {path}: not the output of `cudnn-graphs env` ({err})") from None
+        with open(path, "rb") as f:
+            raw = f.read(MAX_ENV_FILE_BYTES + 1)
+    except OSError as err:
+        raise TargetEnvError(path, f"cannot be read ({err.strerror or err})") from None
+    if len(raw) > MAX_ENV_FILE_BYTES:
+        raise TargetEnvError(path, f"longer than {MAX_ENV_FILE_BYTES} bytes")
+    try:
+        return _json.loads(raw)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, a duplicate key
+        raise TargetEnvError(path, f"not JSON ({err})") from None
+
+
+def _check_fields(path: str, data: dict) -> None:
+    """Every field of an Environment, each of its type (an empty or hand-made object must not pass for one)."""
+    names = [f.name for f in dataclasses.fields(Environment)]
+    for name in data:
+        if name not in names:
+            raise TargetEnvError(path, f"unknown field (expected {names})", name, data[name])
+    for name in names:
+        if name not in data:
+            raise TargetEnvError(path, f"field {name!r} is missing")
+        value = data[name]
+        if name in _INT_FIELDS and not _natural(value):
+            raise TargetEnvError(path, "expected an integer >= 0", name, value)
+        if name in _STR_FIELDS and not isinstance(value, str):
+            raise TargetEnvError(path, "expected a string", name, value)
+        if name in _BOOL_FIELDS and not isinstance(value, bool):
+            raise TargetEnvError(path, "expected true or false", name, value)
+    cc = data["compute_capability"]
+    if not (isinstance(cc, list) and len(cc) == 2 and all(map(_natural, cc))):
+        raise TargetEnvError(path, "expected [major, minor]", "compute_capability", cc)
+
+
+def _natural(value) -> bool:
+    return type(value) is int and value >= 0
 
 
 def environment(device: int | None = None, *, deterministic: bool = False, allow_tf32: bool = True) -> Environment:
@@ -89,16 +133,16 @@ def _cudnn_versions() -> tuple[int, str, int]:
     from .execute import cudnn_backend
 
     try:
-        frontend = _frontend_version()
+        frontend = frontend_version()
         backend, runtime = cudnn_backend.version(), cudnn_backend.cudart_version()
     except Exception:  # no frontend or no libcudnn: the fingerprint says so
         return 0, NO_GPU, 0
     return backend, frontend, runtime
 
 
-def _frontend_version() -> str:
-    """The installed frontend's version, from the dist-info beside the `cudnn` package that an import
-    would load (a full metadata scan costs ~25 ms), else from the metadata."""
+def frontend_version() -> str:
+    """The installed frontend's version (ImportError when there is none), from the dist-info beside the
+    `cudnn` package that an import would load (a full metadata scan costs ~25 ms), else from the metadata."""
     import glob
     import importlib.util
     import os
@@ -127,6 +171,12 @@ def gpu_problem(device: int = 0) -> str | None:
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0 or device >= count.value:
         return f"no CUDA device {device} (this machine has {count.value})"
+    return libcudnn_problem()
+
+
+def libcudnn_problem() -> str | None:
+    """Why libcudnn cannot be loaded (the `cu12`/`cu13` extra is missing ...), or None. Building a graph
+    needs it too, GPU or not: the frontend creates a cuDNN handle for every graph."""
     from .execute import cudnn_backend
 
     try:

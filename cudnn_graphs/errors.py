@@ -14,7 +14,7 @@ from gpu_launch.errors import (BufferMismatchError, CudaDriverError, CudnnGraphs
 
 __all__ = ["BufferMismatchError", "ConfigError", "CudaDriverError", "CudnnBackendError", "CudnnGraphsError",
            "FrontendMissingError", "GraphCaptureError", "KernelCompileError", "NoGpuError", "ShapeError",
-           "SpecError", "UnsupportedGraphError", "shown"]
+           "SpecError", "TargetEnvError", "UnsupportedGraphError", "shown"]
 
 
 class ConfigError(CudnnGraphsError, ValueError):
@@ -25,6 +25,19 @@ class ConfigError(CudnnGraphsError, ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"${variable}={value!r}: {reason}")
+
+
+class TargetEnvError(CudnnGraphsError, ValueError):
+    """A `--target-env` file is not what `cudnn-graphs env` prints; names the file and, where one field is
+    at fault, that field and its value."""
+
+    def __init__(self, path: str, reason: str, field: str | None = None, value: Any = None):
+        self.path = path
+        self.reason = reason
+        self.field = field
+        self.value = value
+        where = "" if field is None else f"{field}={shown(value)}: "
+        super().__init__(f"--target-env {path}: {where}{reason}; not the output of `cudnn-graphs env`")
 
 
 class ShapeError(SpecError, RuntimeError):

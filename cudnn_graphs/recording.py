@@ -12,17 +12,20 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 from pathlib import Path
 from typing import Iterator
 
-from . import config
+from . import _json, config
+from .errors import ConfigError
 
 log = logging.getLogger("cudnn_graphs")
 _lock = threading.Lock()
 _active: list["Recorder"] = []
 _from_env: dict[str, "Recorder"] = {}
+MAX_LINE_BYTES = 1 << 16  # a spec line is under 1 KB; a longer line is damage, skipped unread
 
 
 class Recorder:
@@ -31,54 +34,109 @@ class Recorder:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path).expanduser()
         self._seen: set[str] = set()
-        self._loaded_size = -1
+        self._loaded_size = 0  # bytes of the file already read into _seen
         self.failed = False  # set after a write error: warned once, then skipped
 
     def note(self, spec) -> bool:
-        """Append `spec` unless the file already has it; True when a line was written."""
+        """Append `spec` unless the file already has it; True when a line was written. Raises
+        NotRegularFileError for a target that is not a regular file (a FIFO would block, a device
+        read without end), OSError when the file cannot be opened or written."""
         line = spec_line(spec)
         if line in self._seen:
             return False
         from plan_cache._files import NoFollowLock
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One lock across processes: read what others appended, then append ours only if still new.
-        # NoFollowLock: a symbolic link planted at FILE.lock is refused, never truncated (CVE-2025-68146).
-        with NoFollowLock(f"{self.path}.lock", timeout=30):
-            self._refresh()
-            if line in self._seen:
-                return False
-            with open(self.path, "a+", encoding="utf-8") as f:
-                f.write(_separator(f) + line + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self._seen.add(line)
-            self._loaded_size = self.path.stat().st_size
+        fd = _open_record_file(self.path)
+        try:
+            # One lock across processes: read what others appended, then append ours only if still new.
+            # NoFollowLock: a symbolic link planted at FILE.lock is refused, never truncated (CVE-2025-68146).
+            with NoFollowLock(f"{self.path}.lock", timeout=30):
+                self._refresh(fd)
+                if line in self._seen:
+                    return False
+                _append(fd, line)
+                self._seen.add(line)
+                self._loaded_size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         return True
 
-    def _refresh(self) -> None:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
+    def _refresh(self, fd: int) -> None:
+        """Read the lines appended since the last call, a line at a time (never the whole file at once)."""
+        size = os.fstat(fd).st_size
         if size == self._loaded_size:
             return
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            for text in f:
-                canonical = _canonical(text)
+        if size < self._loaded_size:  # truncated or replaced: what it held before may be gone
+            self._seen.clear()
+            self._loaded_size = 0
+        with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(self._loaded_size)
+            for raw in _capped_lines(f):
+                canonical = None if raw is None else _canonical(raw.decode("utf-8", errors="replace"))
                 if canonical is not None:
                     self._seen.add(canonical)
-        self._loaded_size = size
+            self._loaded_size = f.tell()
+
+    def stop(self, err: BaseException) -> None:
+        """Warn once and record nothing more into this file: recording must never stop the job it records."""
+        self.failed = True
+        reason = str(err) or type(err).__name__  # a MemoryError's str() is empty
+        log.warning("record mode: cannot append to %s (%s); recording stops for this file", self.path, reason)
+
+
+class NotRegularFileError(OSError):
+    """A record target that is not a regular file: a FIFO blocks its reader, /dev/zero never ends."""
+
+
+def _open_record_file(path: Path) -> int:
+    """`path` opened for reading and appending, created if missing; NotRegularFileError unless it is a
+    regular file. O_NONBLOCK: opening a FIFO must not wait for a writer before fstat can refuse it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFileError(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _capped_lines(f) -> Iterator[bytes | None]:
+    """The lines of binary file `f` from where it stands, each read with a cap so that memory holds one
+    line whatever the file holds: None stands for a line over MAX_LINE_BYTES (no spec is that long),
+    whose rest is skipped unread if the caller reads on."""
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        yield None
+        while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+            pass
+
+
+def _append(fd: int, line: str) -> None:
+    """`line` and its newline at the end of the file (after a newline for a last line without one)."""
+    data = (_separator(fd) + line + "\n").encode("utf-8")
+    while data:
+        data = data[os.write(fd, data):]
+    os.fsync(fd)
 
 
 def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | None]]:
     """(file, line number, dict or None, error or None) for every non-blank, non-comment line of a
     spec file ('-' reads standard input); the caller turns each dict into a spec and reports errors.
-    A line that is not UTF-8, not JSON, nested too deep or holding an over-long number is an error on
-    that line, never an exception."""
+    A line that is not UTF-8, not JSON, nested too deep, holding an over-long number or a key twice is an
+    error on that line, never an exception. A line over MAX_LINE_BYTES is an error that ends the file: past
+    it lies no spec file (a binary file, /dev/zero)."""
     stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     with stream:
-        for number, raw in enumerate(stream, 1):
+        for number, raw in enumerate(_capped_lines(stream), 1):
+            if raw is None:
+                yield path, number, None, f"not a spec file: line longer than {MAX_LINE_BYTES} bytes; " \
+                                          "the rest of the file is not read"
+                return
             try:
                 text = raw.decode("utf-8").strip()
             except UnicodeDecodeError as err:
@@ -87,12 +145,12 @@ def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | Non
             if not text or text.startswith("#"):
                 continue
             try:
-                data = json.loads(text)
+                data = _json.loads(text)
             except json.JSONDecodeError as err:
                 yield path, number, None, f"not JSON: {err.msg} at column {err.colno}"
             except RecursionError:
                 yield path, number, None, "not a spec: JSON nested too deep"
-            except ValueError as err:  # e.g. an integer of more than 4300 digits
+            except ValueError as err:  # an integer of more than 4300 digits, a key given twice
                 yield path, number, None, f"not a spec: {err}"
             else:
                 if isinstance(data, dict):
@@ -101,16 +159,13 @@ def read_spec_file(path: str) -> Iterator[tuple[str, int, dict | None, str | Non
                     yield path, number, None, f"not a spec: expected a JSON object, got {type(data).__name__}"
 
 
-def _separator(f) -> str:
+def _separator(fd: int) -> str:
     """A newline when the file's last line has none (edited by hand, or a writer killed mid-line):
     the next spec must not be glued to it."""
-    end = f.seek(0, os.SEEK_END)
+    end = os.fstat(fd).st_size
     if end == 0:
         return ""
-    f.buffer.seek(end - 1)
-    last = f.buffer.read(1)
-    f.seek(0, os.SEEK_END)
-    return "" if last == b"\n" else "\n"
+    return "" if os.pread(fd, 1, end - 1) == b"\n" else "\n"
 
 
 def spec_line(spec) -> str:
@@ -143,17 +198,27 @@ def record(path: str | os.PathLike[str]) -> Iterator[Recorder]:
 
 def note(spec) -> None:
     """Called by sessions for each spec they plan: hands it to every active recorder."""
-    recorders = list(_active)
-    target = config.record_path()
-    if target is not None:
-        with _lock:
-            recorder = _from_env.get(target) or _from_env.setdefault(target, Recorder(target))
-        recorders.append(recorder)
-    for recorder in recorders:
+    for recorder in [*_active, *_env_recorder()]:
         if recorder.failed:
             continue
         try:
             recorder.note(spec)
         except Exception as err:  # recording must never stop the job it records: this file stops recording
-            recorder.failed = True
-            log.warning("record mode: cannot append to %s (%s); recording stops for this file", recorder.path, err)
+            recorder.stop(err)
+
+
+def _env_recorder() -> list[Recorder]:
+    """The recorder $CUDNN_GRAPHS_RECORD names (none when unset); a value config refuses (a directory)
+    gets a recorder that is stopped at once, so it warns once instead of raising from every plan()."""
+    problem = None
+    try:
+        target = config.record_path()
+    except ConfigError as err:
+        target, problem = err.value, err
+    if target is None:
+        return []
+    with _lock:
+        recorder = _from_env.get(target) or _from_env.setdefault(target, Recorder(target))
+    if problem is not None and not recorder.failed:
+        recorder.stop(problem)
+    return [recorder]

@@ -13,6 +13,7 @@ from .spec import spec_from_dict
 
 OUTCOMES = ("cached", "built", "autotuned", "unsupported", "failed")
 RELEASE_EVERY = 256  # specs a warm-up plans between letting go of the plans it stored
+PRESET_DEFAULTS = {"batch": 32, "dtype": "float16", "layout": "channels_last"}
 
 
 @dataclass
@@ -63,18 +64,18 @@ def collect(args) -> tuple[list[SpecSource], list[str]]:
 
 
 def run_warmup(args) -> int:
-    if not args.specfile and not args.preset:
-        print("cudnn-graphs warmup: nothing to do: give spec files and/or --preset", file=sys.stderr)
-        return 2
-    if getattr(args, "target_env", None) and not args.dry_run:
-        print("cudnn-graphs warmup: --target-env goes with --dry-run: plans are built for the machine they "
-              "run on", file=sys.stderr)
+    usage = _usage_error(args)
+    if usage is not None:
+        print(f"cudnn-graphs warmup: {usage}", file=sys.stderr)
         return 2
     sources, errors = collect(args)
     for message in errors:
         print(message, file=sys.stderr)
     if args.strict and errors:
         return 1
+    if not sources and not errors:  # as with no file at all: an empty spec file is nothing to do
+        print(f"cudnn-graphs warmup: nothing to do: no specs in {', '.join(args.specfile)}", file=sys.stderr)
+        return 2
     if getattr(args, "emit", None):
         return _emit(sources, args.emit, bad_lines=len(errors))
     if args.dry_run:
@@ -101,6 +102,21 @@ def run_warmup(args) -> int:
         summary = _plan_all(sources, args)
     _print_summary(summary, args, bad_lines=len(errors))
     return 1 if errors or summary.counts["failed"] or summary.counts["unsupported"] else 0
+
+
+def _usage_error(args) -> str | None:
+    """What makes these options a usage error, or None; fills in the preset options' defaults."""
+    if not args.specfile and not args.preset:
+        return "nothing to do: give spec files and/or --preset"
+    if getattr(args, "target_env", None) and not args.dry_run:
+        return "--target-env goes with --dry-run: plans are built for the machine they run on"
+    given = [f"--{name}" for name in PRESET_DEFAULTS if getattr(args, name, None) is not None]
+    if given and not args.preset:  # spec files carry their own batch, dtype and layout
+        return f"{'/'.join(given)} shape the specs of --preset; give --preset too"
+    for name, default in PRESET_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    return None
 
 
 def parse_devices(text: str, count: int | None = None) -> list[int]:
@@ -135,6 +151,11 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
     from .recording import spec_line
 
     text = "".join(spec_line(source.spec) + "\n" for source in sources)
+    if path == "-":  # as for spec files read: '-' is standard output, not a file named '-'
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        print(f"wrote {len(sources)} specs to standard output", file=sys.stderr)
+        return 1 if bad_lines else 0
     directory = os.path.dirname(os.path.abspath(path))
     fd, temp = tempfile.mkstemp(dir=directory, prefix=".emit-")
     try:
@@ -168,9 +189,9 @@ def _dry_run(sources: list[SpecSource], args) -> None:
 
 def describe_spec(spec) -> str:
     """One line with every parameter: op, shapes, stride, padding, dilation, groups, dtypes, layout, epilogue."""
-    t = spec.tensors()
-    roles = {"conv_fwd": ("x", "w"), "conv_bwd_data": ("dy", "w"), "conv_bwd_filter": ("x", "dy")}[spec.op]
-    shapes = " ".join(f"{r}={'x'.join(map(str, t[r].shape))}" for r in roles)
+    # Every given tensor: dy and w do not settle dgrad's x (stride), nor x and dy wgrad's w (kernel vs padding).
+    roles = {"conv_fwd": ("x", "w"), "conv_bwd_data": ("dy", "w", "x"), "conv_bwd_filter": ("x", "dy", "w")}[spec.op]
+    shapes = " ".join(f"{r}={'x'.join(map(str, getattr(spec, f'{r}_shape')))}" for r in roles)
     extra = [name for name in ("bias", "residual", "bias_grad") if getattr(spec, name, False)]
     for name in ("activation", "activation_backward"):
         act = getattr(spec, name, None)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import signal
 import sys
+
 from .warmup import RELEASE_EVERY, SpecSource, Summary, _plan_one, _progress, warmup_session
 
 _RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
@@ -27,20 +29,35 @@ def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summ
     options = {"cache": args.cache, "autotune": args.autotune, "autotune_limit": args.autotune_limit}
     workers = [ctx.Process(target=_worker, args=(device, options, tasks, results), daemon=True,
                            name=f"cudnn-graphs-warmup-gpu{device}") for device in devices]
-    for w in workers:
-        w.start()
+    _start_ignoring_ctrl_c(workers)
     summary = Summary(by_device=dict.fromkeys(devices, 0))
+    interrupted = False
     try:
         for device, outcome in _progress(_results(results, workers, len(sources)), args, total=len(sources)):
             if device >= 0:  # -1: lost with a worker that died
                 summary.by_device[device] += 1
             summary.add(*outcome)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         for w in workers:
-            w.join(timeout=60)
+            w.join(timeout=0 if interrupted else 60)  # Ctrl-C: the workers stop now, not after their spec
             if w.is_alive():
                 w.terminate()
     return summary
+
+
+def _start_ignoring_ctrl_c(workers) -> None:
+    """Start the workers with SIGINT ignored, which they inherit from their start on: Ctrl-C reaches the
+    whole process group, and the parent alone answers it (terminating them), so that it prints one line,
+    not a traceback per GPU."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for w in workers:
+            w.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _results(results, workers, expected: int):

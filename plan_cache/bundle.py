@@ -18,6 +18,7 @@ Knows nothing of cuDNN: which records to accept and which stored record to keep 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import secrets
 import stat
@@ -31,7 +32,7 @@ import msgpack
 from . import record as record_mod
 from ._files import write_atomic
 from .errors import CorruptRecordError
-from .record import HEADER_SIZE, PlanRecord, check_frame, decode, encode, unpack_fields, validate_key
+from .record import HEADER_SIZE, PlanRecord, check_frame, decode, encode, validate_key
 
 __all__ = ["BUNDLE_MAGIC", "BUNDLE_VERSION", "HEADER_SIZE", "CorruptBundleError", "ImportReport", "export_bundle", "import_bundle",
            "pack_bundle", "pack_frame", "unpack_bundle"]
@@ -43,6 +44,10 @@ _PAYLOAD_FIELDS = frozenset({"format", "created", "records"})
 
 # Thousands of plans of ~0.1 MB each: a bundle beyond this is not one, and is refused before it is read.
 MAX_BUNDLE_BYTES = 1 << 30
+# msgpack's limits for a payload: three short fields, then up to a million records (no record is under a
+# kilobyte, so a full bundle holds far fewer), each a bin under the record cap. Nothing else is a container.
+_UNPACK_LIMITS = {"max_str_len": 64, "max_bin_len": record_mod.MAX_RECORD_BYTES, "max_array_len": 1 << 20,
+                  "max_map_len": len(_PAYLOAD_FIELDS), "max_ext_len": 64}  # an ext: refused by name
 
 
 class CorruptBundleError(CorruptRecordError):
@@ -83,19 +88,11 @@ def pack_frame(payload: bytes, *, version: int = BUNDLE_VERSION) -> bytes:
 
 
 def unpack_bundle(data: bytes | bytearray | memoryview) -> list[bytes]:
-    """The encoded records in a bundle's bytes, after the outer check; any problem raises CorruptBundleError."""
+    """The encoded records in a bundle's bytes, after the outer check; any problem raises CorruptBundleError.
+    The payload is read by the rule `import_bundle` streams it with."""
     payload = check_frame(memoryview(data), magic=BUNDLE_MAGIC, version=BUNDLE_VERSION, error=CorruptBundleError,
                           what="cudnn-graphs plan bundle")
-    fields = unpack_fields(payload, _PAYLOAD_FIELDS, error=CorruptBundleError, what="plan bundle")
-    entries = fields["records"]
-    version = fields["format"]
-    if type(version) is not int or version != BUNDLE_VERSION:
-        raise CorruptBundleError(f"payload format {version!r}, this code reads {BUNDLE_VERSION}")
-    if not isinstance(fields["created"], float) or not isinstance(entries, list):
-        raise CorruptBundleError("payload fields have the wrong types")
-    if not all(isinstance(e, bytes) for e in entries):
-        raise CorruptBundleError("a record entry is not binary data")
-    return entries
+    return list(_payload_entries(io.BytesIO(payload), None))
 
 
 # --- export --------------------------------------------------------------------------------------------------
@@ -184,54 +181,90 @@ def _check_stream(file, path) -> None:
 
 
 def _stream_entries(file, path):
-    """Each record entry of a checked bundle's payload, one at a time, with its shape verified as it goes
-    (exactly the fields format, created, records; plain msgpack; binary entries under the record cap)."""
+    """Each record entry of a checked bundle file's payload, one at a time (see `_payload_entries`)."""
     file.seek(HEADER_SIZE)
-    first = file.read(1)
-    file.seek(HEADER_SIZE)
-    if first and first != b"\xc1" and not (0x80 <= first[0] <= 0x8f or first in (b"\xde", b"\xdf")):
-        raise CorruptBundleError("payload fields: the payload is not a map", path)
+    return _payload_entries(file, path)
 
-    def refuse_ext(code: int, data: bytes) -> None:
-        raise ValueError(f"msgpack extension type {code} in a plan bundle")  # plain data only
 
-    unpacker = msgpack.Unpacker(file, raw=False, strict_map_key=True, max_bin_len=record_mod.MAX_RECORD_BYTES,
-                                max_str_len=1 << 16, max_array_len=1 << 24, max_map_len=16, ext_hook=refuse_ext,
-                                read_size=1 << 20)
+def _payload_entries(file, path):
+    """Each record entry of the payload `file` holds from where it stands, one at a time, with its shape
+    verified as it goes: exactly the fields format, created, records; plain msgpack; binary entries under
+    the record cap; the whole payload, no more (a truncated records array is refused, not imported in part)."""
+    unpacker = msgpack.Unpacker(file, raw=False, strict_map_key=True, ext_hook=_refuse_ext, read_size=1 << 20,
+                                **_UNPACK_LIMITS)
     seen = {}
     try:
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
+        try:
+            count = unpacker.read_map_header()
+        except ValueError:
+            unpacker.skip()  # raises for bytes that are not msgpack at all
+            raise CorruptBundleError("payload fields: the payload is not a map", path) from None
+        for _ in range(count):
+            key = _scalar(unpacker, path, "payload fields: a key is not a name")
             if key not in _PAYLOAD_FIELDS or key in seen:
                 raise CorruptBundleError(f"payload fields: unexpected {key!r}", path)
             if key != "records":
-                seen[key] = unpacker.unpack()
+                seen[key] = _scalar(unpacker, path, "payload fields have the wrong types")
                 continue
             seen[key] = True
-            try:
-                count = unpacker.read_array_header()
-            except ValueError:
-                raise CorruptBundleError("payload fields have the wrong types", path) from None
-            for _ in range(count):
-                entry = unpacker.unpack()
-                if not isinstance(entry, bytes):
-                    raise CorruptBundleError("a record entry is not binary data", path)
-                yield entry
-        unpacker.unpack()  # must be the end of the payload
-        raise CorruptBundleError("data after the payload", path)
+            yield from _records_array(unpacker, path)
     except msgpack.OutOfData:
-        pass
+        raise CorruptBundleError("payload is truncated", path) from None
     except CorruptBundleError:
         raise
     except Exception as err:  # msgpack's ValueError, FormatError, StackError, ExtraData ...
         raise CorruptBundleError(f"payload is not msgpack of a plan bundle ({type(err).__name__}: {err})",
                                  path) from None
+    _check_end(unpacker, path)
+    _check_payload_fields(seen, path)
+
+
+def _records_array(unpacker, path):
+    try:
+        count = unpacker.read_array_header()
+    except ValueError:
+        raise CorruptBundleError("payload fields have the wrong types", path) from None
+    for _ in range(count):
+        entry = _scalar(unpacker, path, "a record entry is not binary data")
+        if not isinstance(entry, bytes):
+            raise CorruptBundleError("a record entry is not binary data", path)
+        yield entry
+
+
+def _scalar(unpacker, path, reason: str):
+    """The next value, refused with `reason` if it is an array or a map: where a bundle holds a number, a name
+    or a record, a container of millions of empty maps would be built in full before its type was checked
+    (a failed header read consumes nothing)."""
+    for read_header in (unpacker.read_array_header, unpacker.read_map_header):
+        try:
+            read_header()
+        except ValueError:
+            continue
+        raise CorruptBundleError(reason, path)
+    return unpacker.unpack()
+
+
+def _check_end(unpacker, path) -> None:
+    try:
+        unpacker.skip()
+    except msgpack.OutOfData:
+        return
+    except Exception:  # garbage after the payload's map is data after it too
+        pass
+    raise CorruptBundleError("data after the payload", path)
+
+
+def _check_payload_fields(seen: dict, path) -> None:
     if set(seen) != _PAYLOAD_FIELDS:
         raise CorruptBundleError(f"payload fields {sorted(seen)}, expected {sorted(_PAYLOAD_FIELDS)}", path)
     if type(seen["format"]) is not int or seen["format"] != BUNDLE_VERSION:
         raise CorruptBundleError(f"payload format {seen['format']!r}, this code reads {BUNDLE_VERSION}", path)
     if not isinstance(seen["created"], float):
         raise CorruptBundleError("payload fields have the wrong types", path)
+
+
+def _refuse_ext(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code} in a plan bundle")  # plain data only
 
 
 def _import_one(store, entry: bytes, accept, keep_existing) -> str:

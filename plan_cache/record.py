@@ -28,8 +28,8 @@ import msgpack
 
 from .errors import CorruptRecordError
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "HEADER_SIZE", "MAX_RECORD_BYTES", "PlanRecord", "DecodedRecord",
-           "encode", "decode", "pack_frame", "validate_key"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "HEADER_SIZE", "MAX_META_BYTES", "MAX_RECORD_BYTES", "PlanRecord",
+           "DecodedRecord", "encode", "decode", "pack_frame", "validate_key"]
 
 FORMAT_VERSION = 1
 MAGIC = b"CGPLAN\0"
@@ -37,6 +37,15 @@ MAX_KEY_LENGTH = 200  # leaves room for the ".rec" suffix under the usual 255-by
 # A plan record is kilobytes (a runtime-compiled plan with its cubins, ~1 MB): a larger file is garbage,
 # rejected from its size alone, never read.
 MAX_RECORD_BYTES = 64 << 20
+# What a record's payload can hold, as msgpack's limits: `meta` (a spec, an environment, a few parts, a tuning
+# table of some hundred candidates) is tens of kilobytes; the blob (runtime-compiled plans are up to ~150 KB)
+# is one bin object whatever its size. Decoding builds an object per byte or so (an empty map: one byte, ~70
+# bytes of Python objects), so containers are refused above MAX_META_BYTES encoded before any is built.
+MAX_META_BYTES = 1 << 20
+UNPACK_LIMITS = {"max_str_len": MAX_META_BYTES, "max_bin_len": MAX_RECORD_BYTES, "max_array_len": 1 << 16,
+                 "max_map_len": 1 << 12, "max_ext_len": 64}  # an ext: refused by name
+# msgpack type bytes of arrays and maps: fixmap, fixarray, array 16/32, map 16/32.
+_CONTAINER_TYPES = frozenset(range(0x80, 0xa0)) | {0xdc, 0xdd, 0xde, 0xdf}
 _MAX_META_DEPTH = 32
 
 _PREFIX = struct.Struct("<8sHQ")  # magic (7 bytes + a reserved zero byte), format version, payload length
@@ -174,19 +183,40 @@ def check_frame(view: memoryview, *, magic: bytes, version: int, error: type[Cor
 
 
 def unpack_fields(payload: memoryview, fields: frozenset, *, error: type[CorruptRecordError], what: str) -> dict:
-    """A msgpack map with exactly `fields`, plain data only; `error(reason)` for anything else."""
+    """A msgpack map with exactly `fields`, plain data only and within UNPACK_LIMITS; `error(reason)` else."""
     def refuse_ext(code: int, data: bytes) -> None:
         raise ValueError(f"msgpack extension type {code} in a {what}")  # plain data only
 
+    _check_container_sizes(payload, error)
     try:
-        # Default unpackb limits are bounded by the buffer length, so a forged length cannot allocate gigabytes.
-        found = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, ext_hook=refuse_ext)
+        found = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, ext_hook=refuse_ext,
+                                **UNPACK_LIMITS)
     except Exception as err:  # msgpack raises many types (ValueError, ExtraData, StackError, UnicodeDecodeError...)
         raise error(f"payload is not msgpack: {type(err).__name__}: {err}") from None
     if not isinstance(found, dict) or set(found) != fields:
         shown = sorted(found) if isinstance(found, dict) else type(found).__name__
         raise error(f"payload fields are {shown}, expected {sorted(fields)}")
     return found
+
+
+def _check_container_sizes(payload: memoryview, error: type[CorruptRecordError]) -> None:
+    """Before anything is built: each key and value of the payload's top-level map that is an array or a map
+    is at most MAX_META_BYTES encoded (skipping builds nothing). Anything else wrong with the payload is
+    left to the decode that follows, which names it."""
+    unpacker = msgpack.Unpacker(**UNPACK_LIMITS)
+    unpacker.feed(payload)
+    try:
+        count = unpacker.read_map_header()
+        for _ in range(2 * count):
+            start = unpacker.tell()
+            unpacker.skip()
+            if payload[start] in _CONTAINER_TYPES and unpacker.tell() - start > MAX_META_BYTES:
+                raise error(f"payload holds a container of {unpacker.tell() - start} bytes, over the "
+                            f"{MAX_META_BYTES}-byte limit of a record's metadata")
+    except error:
+        raise
+    except Exception:  # not a map, truncated, over a limit: the decode reports it
+        return
 
 
 def _record_from_fields(fields: dict) -> tuple[PlanRecord, float]:

@@ -95,7 +95,7 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
                  rules_of(meta), rules)
         return None
     try:
-        blobs = msgpack.unpackb(record.blob, raw=False)
+        blobs = msgpack.unpackb(record.blob, raw=False, **_blob_limits(meta))
         intermediates = {role: TensorDesc(tuple(s), tuple(st), dt) for role, (s, st, dt) in meta["intermediates"].items()}
         restored = [session._restore_part(spec, meta, i, entry, blobs, intermediates)
                     for i, entry in enumerate(meta["parts"])]
@@ -110,6 +110,15 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
                              acc_dtype=meta.get("acc_dtype"), build_ms=0.0,
                              chosen_by=str(meta.get("chosen_by", "heuristics")))
     return LoadOutcome(plan, "knobs" if rebuilt else "disk", rebuilt)
+
+
+def _blob_limits(meta: dict) -> dict[str, int]:
+    """msgpack's limits for a blob: one bin (or None) per part, nothing else; a blob of millions of empty
+    bins would otherwise become millions of objects before a part is looked at."""
+    from plan_cache.record import MAX_RECORD_BYTES
+
+    return {"max_array_len": len(meta["parts"]), "max_bin_len": MAX_RECORD_BYTES, "max_str_len": 0,
+            "max_map_len": 0, "max_ext_len": 0}
 
 
 def _spec_of(meta: dict):

@@ -294,11 +294,20 @@ def _prologue_operands(spec: _ConvSpec) -> dict[str, TensorDesc]:
 
 
 def _output_shape(spec: _ConvSpec, x, w, field_name: str) -> tuple[int, ...]:
+    """The forward conv's output shape (y, or the dy a gradient takes), within the bounds every given shape
+    has: a padding of 2**31-1 passes its own check but makes an output no tensor descriptor can hold."""
     spatial = geometry.conv_output_dims(x[2:], w[2:], spec.padding, spec.stride, spec.dilation)
+    inputs = f"w_shape={w}, padding={spec.padding}, stride={spec.stride}, dilation={spec.dilation}"
     if any(d <= 0 for d in spatial):
-        raise SpecError(field_name, x, f"the output would be empty (spatial dims {spatial}) with "
-                        f"w_shape={w}, padding={spec.padding}, stride={spec.stride}, dilation={spec.dilation}")
-    return (x[0], w[0], *spatial)
+        raise SpecError(field_name, x, f"the output would be empty (spatial dims {spatial}) with {inputs}")
+    out = (x[0], w[0], *spatial)
+    output = "y_shape" if spec.op == "conv_fwd" else "dy_shape"
+    try:
+        geometry.shape(output, out)
+    except SpecError as err:  # the derived shape: the error names what it is derived from
+        raise SpecError(output, out, f"the forward conv's output, derived from x_shape={x}, {inputs}: "
+                        f"{err.reason}") from None
+    return out
 
 
 def _check_dy(spec: _ConvSpec, dy: tuple[int, ...], expected: tuple[int, ...]) -> None:

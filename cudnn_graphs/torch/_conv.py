@@ -39,6 +39,7 @@ from ..errors import ShapeError, SpecError, UnsupportedGraphError
 from ..plan import default_session
 from ..spec.geometry import strides_like_channels_last
 from ._activations import torch_activation
+from ._fallback import cpu_once
 
 __all__ = ["conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d"]
 log = logging.getLogger("cudnn_graphs")
@@ -192,6 +193,8 @@ def _conv_fwd_cuda(x, w, bias, z, stride, padding, dilation, groups, activation,
 
 def _conv_fwd_torch(x, w, bias, z, stride, padding, dilation, groups, activation, act_param, beta):
     _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups)  # CPU raises as CUDA does
+    if x.device.type == "cpu":  # every CPU forward comes here (eager, autograd, the op torch.compile calls)
+        cpu_once("conv_fwd", x, w, by="torch's convolution")
     y = _torch_conv(x, w, bias, stride, padding, dilation, groups)
     if z is not None:
         y = y + beta * z

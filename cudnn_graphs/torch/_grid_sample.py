@@ -17,6 +17,8 @@ from torch.autograd.function import once_differentiable
 
 from fallback_kernels import grid_sample as _kernels
 
+from ._fallback import cpu_once
+
 __all__ = ["GridSample", "grid_sample"]
 
 _ALIGN_WARNING = ("Default grid_sample and affine_grid behavior has changed to align_corners=False since 1.3.0. "
@@ -71,6 +73,7 @@ def grid_sample(input: torch.Tensor, grid: torch.Tensor, mode: str = "bilinear",
         warnings.warn(_ALIGN_WARNING, stacklevel=2)
         align_corners = False
     if not (input.is_cuda and grid.is_cuda):
+        cpu_once("grid_sample", input, grid)
         return F.grid_sample(input, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
     return _GridSampleFunction.apply(input, grid, mode, padding_mode, bool(align_corners), bool(deterministic))
 

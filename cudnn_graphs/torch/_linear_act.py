@@ -7,8 +7,9 @@ Any leading batch dimensions, like nn.Linear. The weight is used in place as the
 (no copy); its gradient comes back in its own [out, in] layout. What is saved for backward: the input,
 the weight, and relu's output itself (as torch's relu saves it), leaky_relu's bit mask, or the
 pre-activation in the io dtype (the others).
-CUDA tensors of one dtype (float16, bfloat16 or float32) only; float32 matmuls follow
-torch.backends.cuda.matmul.allow_tf32.
+CUDA tensors of one dtype (float16, bfloat16 or float32); float32 matmuls follow
+torch.backends.cuda.matmul.allow_tf32. CPU tensors run through torch's own ops (one warning per geometry),
+as `MLP`, the convolutions and `grid_sample` do.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fallback_kernels.gemm_act import gemm_bias_act, gemm_bias_act_backward
 from gpu_launch.activations import Activation, as_activation
 
 from ._activations import torch_activation
+from ._fallback import cpu_once, on_cuda
 
 __all__ = ["linear_act", "LinearAct"]
 
@@ -63,6 +65,9 @@ def linear_act(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         raise ValueError(f"linear_act: input {tuple(input.shape)} and weight {tuple(weight.shape)} do not match "
                          "(weight is [out_features, in_features])")
     lead = input.shape[:-1]
+    if not on_cuda(input, weight, bias):  # CPU tensors: torch's own ops, as nn.Linear would run them
+        cpu_once("linear_act", input, weight)
+        return torch_activation(act.name, act.param)(torch.nn.functional.linear(input, weight, bias))
     if input.dim() == 1:
         return _LinearActFunction.apply(input.unsqueeze(0), weight, bias, act).squeeze(0)
     if 0 in (math.prod(lead), weight.shape[0], weight.shape[1]):  # empty: torch ops keep autograd and shapes

@@ -27,6 +27,7 @@ from fallback_kernels import cublaslt
 from gpu_launch.activations import Activation, as_activation
 from gpu_launch.errors import SpecError
 
+from ._fallback import cpu_once
 from ._linear_act import linear_act
 
 __all__ = ["MLP", "mlp"]
@@ -141,6 +142,7 @@ def mlp(input: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[t
         params = [p for pair in zip(weights, biases) for p in pair]
         return _FusedMLP.apply(input, FUSED[act.name], *params)
     if not input.is_cuda:  # CPU tensors: torch's own ops, as nn.Linear would run them
+        cpu_once("mlp", input, *weights)
         return _torch_layers(input, weights, biases, act)
     h = input
     for i, (w, b) in enumerate(zip(weights, biases)):
