@@ -18,6 +18,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+from plan_cache._files import NoFollowLock
+
 from . import _json, config
 from .errors import ConfigError
 
@@ -44,8 +46,6 @@ class Recorder:
         line = spec_line(spec)
         if line in self._seen:
             return False
-        from plan_cache._files import NoFollowLock
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = _open_record_file(self.path)
         try:
