@@ -125,3 +125,14 @@ def test_batchnorm_vector_width_follows_the_channel_count():
 
     assert batchnorm.vector_width("float16", 64) == 8 and batchnorm.vector_width("float16", 24) == 8
     assert batchnorm.vector_width("float16", 20) == 1 and batchnorm.vector_width("float32", 20) == 4
+
+
+def test_batchnorm_reduction_chunks_fill_the_gpu_from_the_shape_alone():
+    from fallback_kernels.batchnorm import MIN_CHUNK_ROWS, REDUCE_BLOCKS, chunk_rows
+
+    for rows, tiles in ((200704, 1), (200704, 4), (50176, 2), (3136, 32), (12544, 16), (7, 1)):
+        chunk = chunk_rows(rows, tiles)
+        assert chunk % 64 == 0 and chunk >= MIN_CHUNK_ROWS
+        blocks = tiles * -(-rows // chunk)
+        assert blocks <= REDUCE_BLOCKS or chunk == MIN_CHUNK_ROWS
+        assert chunk_rows(rows, tiles) == chunk  # deterministic: the same sums in the same order
