@@ -260,3 +260,23 @@ __global__ void bn_bwd_apply(const T* __restrict__ da, const T* __restrict__ y, 
         store<T, VEC>(dy, i, g);
     }
 }
+
+// Up to 4 same-layout casts in one launch (a run's conv weights to float16 for the forward, their float16
+// gradients to float32 after it): blockIdx.y picks the tensor. Plain arguments, picked by a switch: a
+// by-value struct indexed by blockIdx.y was copied to local memory.
+template <typename S, typename D>
+__global__ void cast_multi(const S* __restrict__ s0, const S* __restrict__ s1, const S* __restrict__ s2,
+                           const S* __restrict__ s3, D* __restrict__ d0, D* __restrict__ d1, D* __restrict__ d2,
+                           D* __restrict__ d3, long long n0, long long n1, long long n2, long long n3) {
+    const S* src;
+    D* dst;
+    long long n;
+    switch (blockIdx.y) {
+        case 0: src = s0; dst = d0; n = n0; break;
+        case 1: src = s1; dst = d1; n = n1; break;
+        case 2: src = s2; dst = d2; n = n2; break;
+        default: src = s3; dst = d3; n = n3; break;
+    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = from_acc<D>(to_acc(src[i]));
+}

@@ -1,8 +1,9 @@
 """Launchers for batchnorm.cu: training-mode BatchNorm around cuDNN's conv + statistics graphs.
 
-`BatchNormKernels.get(rows=, channels=, dtype=, device=)` prepares, once per geometry, every launch a
+`BatchNormKernels(rows, channels, dtype, device)` prepares, once per geometry, every launch a
 conv -> BatchNorm (-> ReLU) stage needs; each launch then takes its pointers (ints) and a stream and
 queues one kernel (two for the reduction), nothing else: no allocation, no check, no synchronisation.
+`Cast` casts up to four same-layout tensors between float32 and float16 in one launch.
 Tensors are channels-last and dense: `rows` = N * spatial, `channels` = C; per-channel float32 buffers
 (statistics, gamma, beta, running statistics, mean, 1/std, gradients) and io-dtype scale / shift.
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from typing import Any
 
 from gpu_launch import driver
@@ -45,8 +45,12 @@ def _names(dtype: str) -> dict[str, str]:
             **{f"bwd_apply{v}": f"bn_bwd_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])}}
 
 
+CASTS = {"to_half": "cast_multi<float, half_t>", "to_float": "cast_multi<half_t, float>"}
+MAX_CAST = 4  # tensors one cast launch takes (CastArgs in batchnorm.cu)
+
+
 def name_expressions() -> list[str]:
-    return [name for dtype in CTYPES for name in _names(dtype).values()]
+    return [name for dtype in CTYPES for name in _names(dtype).values()] + list(CASTS.values())
 
 
 def vector_width(dtype: str, channels: int) -> int:
@@ -57,7 +61,7 @@ def vector_width(dtype: str, channels: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _functions(dtype: str, device: int) -> dict[str, int]:
-    names = _names(dtype)
+    names = {**_names(dtype), **CASTS}
     module = _compile.load_module("batchnorm.cu", tuple(names.values()), device)
     return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
 
@@ -83,8 +87,8 @@ def _ptrs(n: int) -> list:
 
 
 class BatchNormKernels:
-    """Every launch of one (rows, channels, dtype, device) stage. One thread launches a given object
-    (its argument slots are patched in place); `get` hands each thread its own."""
+    """Every launch of one (rows, channels, dtype, device) stage. Argument slots are patched in place: one
+    thread at a time drives each direction (finalize/apply forward, backward)."""
 
     def __init__(self, rows: int, channels: int, dtype: str, device: int):
         if dtype not in CTYPES:
@@ -111,10 +115,6 @@ class BatchNormKernels:
                         _Launch(reduce, tiles, (TILE, LANES), self._reduce_args[1], device))
         self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
         self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
-
-    @classmethod
-    def get(cls, *, rows: int, channels: int, dtype: str, device: int) -> "BatchNormKernels":
-        return _for_thread(rows, channels, dtype, device)
 
     def finalize(self, stream: int, *, sum: int, sq_sum: int, gamma: int, beta: int, running_mean: int,
                  running_var: int, num_batches: int, scale: int, shift: int, mean: int, invstd: int,
@@ -149,15 +149,21 @@ class BatchNormKernels:
         self._bwd_apply(stream, da, y, out, scale, shift, mean, coef, dy, dz)
 
 
-_local = threading.local()
+class Cast:
+    """One launch casting up to MAX_CAST same-layout tensors of fixed sizes: float32 -> float16
+    (`to="to_half"`) or back (`to="to_float"`). `__call__(stream, srcs, dsts)` takes their pointers."""
 
+    def __init__(self, sizes: tuple[int, ...], *, to: str, device: int):
+        if not 0 < len(sizes) <= MAX_CAST:
+            raise ValueError(f"sizes: 1 to {MAX_CAST} tensors a cast, got {len(sizes)}")
+        self.srcs, self.dsts = _ptrs(MAX_CAST), _ptrs(MAX_CAST)
+        counts = [ctypes.c_int64(n) for n in (*sizes, *(0,) * (MAX_CAST - len(sizes)))]
+        self.count = len(sizes)
+        grid = (max(1, min(-(-max(sizes) // BLOCK), MAX_BLOCKS)), len(sizes))
+        self.kernel = driver.Kernel(_functions("float16", device)[to], grid=grid, block=BLOCK,
+                                    args=[*self.srcs, *self.dsts, *counts], ordinal=device)
 
-def _for_thread(rows: int, channels: int, dtype: str, device: int) -> BatchNormKernels:
-    cache = getattr(_local, "kernels", None)
-    if cache is None:
-        cache = _local.kernels = {}
-    key = (rows, channels, dtype, device)
-    found = cache.get(key)
-    if found is None:
-        found = cache[key] = BatchNormKernels(rows, channels, dtype, device)
-    return found
+    def __call__(self, stream: int, srcs, dsts) -> None:
+        for i in range(self.count):
+            self.srcs[i].value, self.dsts[i].value = srcs[i], dsts[i]
+        self.kernel.launch(stream)

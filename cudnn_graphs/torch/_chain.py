@@ -19,17 +19,20 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fallback_kernels.batchnorm import BatchNormKernels
+from fallback_kernels.batchnorm import BatchNormKernels, Cast
+from gpu_launch.replay import Replay
 from gpu_launch.streams import capture_probe
 
 from ..errors import UnsupportedGraphError
 from ..plan import default_session
+from ..plan.launcher import _Prepared
 from ..spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec
 from ._conv import _session
 
@@ -53,7 +56,7 @@ def _up(n: int) -> int:
 
 
 class _StagePlan:
-    """Launchers and kernels of one stage for one input geometry."""
+    """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
     def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int):
         conv = stage.conv
@@ -62,27 +65,29 @@ class _StagePlan:
         w_shape = tuple(conv.weight.shape)
         pro = "scale_bias_relu" if prologue else None
         fwd = ConvFwdSpec(x_shape, w_shape, prologue=pro, stats=True, **params)
-        self.x_shape, self.y_shape, self.k = x_shape, fwd.y_shape, w_shape[0]
+        self.x_shape, self.y_shape, self.k, self.w_numel = x_shape, fwd.y_shape, w_shape[0], math.prod(w_shape)
         self.rows = math.prod(self.y_shape) // self.k
-        self.bn = BatchNormKernels.get(rows=self.rows, channels=self.k, dtype="float16", device=device)
+        self.bn = BatchNormKernels(self.rows, self.k, "float16", device)
         extra = ("scale", "shift") if prologue else ()
         self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", "sum", "sq_sum"), "torch")
         self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
             ("dy", "w", "dx"), "torch")
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
             ("x", *extra, "dy", "dw"), "torch")
-        k, y_bytes = self.k, _up(math.prod(self.y_shape) * _F16)
+        k, y_bytes, w_bytes = self.k, _up(math.prod(self.y_shape) * _F16), _up(self.w_numel * _F16)
         # One allocation a stage forward, kept for the backward: y, then float32 sum, sq_sum, mean, 1/std,
-        # then float16 scale, shift. Every piece starts 256-aligned.
+        # then float16 scale, shift, and the float16 weight. Every piece starts 256-aligned.
         f32 = _up(k * _F32)
         self.sum, self.sq_sum, self.mean, self.invstd = (y_bytes + i * f32 for i in range(4))
         self.scale, self.shift = y_bytes + 4 * f32, y_bytes + 4 * f32 + _up(k * _F16)
-        self.fwd_bytes = self.shift + _up(k * _F16)
-        # One a stage backward: dy, the reduction's coefficients and partials, then dx where another
-        # stage reads it (the first stage's dx is the returned gradient, a tensor of its own).
-        self.coef = _up(math.prod(self.y_shape) * _F16)
+        self.w16 = self.shift + _up(k * _F16)
+        self.fwd_bytes = self.w16 + w_bytes
+        # The backward's pieces of this stage (offsets within the run's one backward allocation): dy, the
+        # reduction's coefficients and partials, the float16 dw, then dx where another stage reads it.
+        self.coef = y_bytes
         self.partials = self.coef + _up(3 * k * _F32)
-        self.dx = self.partials + _up(self.bn.partials_bytes)
+        self.dw16 = self.partials + _up(self.bn.partials_bytes)
+        self.dx = self.dw16 + w_bytes
         self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue else 0)
 
 
@@ -105,10 +110,10 @@ class Chain:
         self._why: str | None = None  # why the last new geometry runs unfused
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        plans = self._prepared(x, residual)
-        if plans is None:
+        program = self._prepared(x, residual)
+        if program is None:
             return self.unfused(x, residual)
-        return _ChainFunction.apply(self, plans, x, residual, *self._params())
+        return _ChainFunction.apply(self, program, x, residual, *self._params())
 
     def unfused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The run as its modules compute it."""
@@ -145,15 +150,16 @@ class Chain:
         if not x.is_cuda or not self.stages[0].bn.training:
             return None
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        # everything a program bakes in: shapes, dtypes, flags, and each BatchNorm's constants
         key = (x.shape, x.dtype, dtype, x.get_device(), None if residual is None else (residual.shape, residual.dtype),
                torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic(),
-               tuple([st.bn.training for st in self.stages]))
-        plans = self._plans.get(key, 0)
-        if plans == 0:
-            plans = self._plans[key] = self._plan(x, residual, dtype)
-        return plans
+               tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.stages]))
+        program = self._plans.get(key, 0)
+        if program == 0:
+            program = self._plans[key] = self._plan(x, residual, dtype)
+        return program
 
-    def _plan(self, x, residual, dtype) -> list | None:
+    def _plan(self, x, residual, dtype) -> "_Program | None":
         why = _unsupported(self, x, residual, dtype)
         if why is None:
             device = x.get_device()
@@ -174,7 +180,7 @@ class Chain:
         if why is not None:
             log.info("cudnn_graphs: a conv-BatchNorm run of %s runs unfused: %s", tuple(x.shape), why)
             return None
-        return plans
+        return _Program(self, plans, x.get_device(), residual is not None)
 
 
 def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
@@ -189,6 +195,9 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
         conv, bn = st.conv, st.bn
         if conv.groups != 1 or conv.bias is not None or conv.padding_mode != "zeros" or conv.weight.dim() != 4:
             return f"{conv} is grouped, has a bias or pads other than with zeros"
+        w = conv.weight
+        if w.dtype not in (torch.float16, torch.float32) or not w.is_contiguous(memory_format=torch.channels_last):
+            return f"{conv}'s weight is not a channels-last float16/float32 tensor (model.to(memory_format=...))"
         if not bn.training or bn.weight is not None and bn.weight.dtype != torch.float32:
             return "a BatchNorm is in eval mode or has non-float32 parameters"
         if bn.running_mean is not None and bn.running_mean.dtype != torch.float32:
@@ -206,14 +215,130 @@ def _momentum(bn: nn.BatchNorm2d) -> float | None:
     return None if bn.momentum is None else float(bn.momentum)
 
 
-def _aligned16(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a float16 channels-last tensor whose data starts 16-byte aligned (cuDNN's graphs and the
-    kernels' vector loads assume it; a view at an odd offset is copied)."""
-    if t.dtype != torch.float16 or not t.is_contiguous(memory_format=torch.channels_last):
-        t = t.to(torch.float16, memory_format=torch.channels_last)
-    if t.data_ptr() % 16:
-        t = t.clone(memory_format=torch.channels_last)
-    return t
+def _low_bits(ptrs) -> int:
+    """Nonzero where a pointer is off the 256-byte class a re-pointed graph serves (then: run directly)."""
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    return bits & 255
+
+
+class _Program:
+    """A run's launches for one geometry, forward and backward, each replayed as one re-pointed CUDA graph
+    from its second call (`gpu_launch.replay.Replay`): a launch and a few pointer patches instead of a
+    launch per kernel. Constants (eps, momentum, flags) are in the key that chose this program."""
+
+    def __init__(self, chain: Chain, plans: list, device: int, residual: bool):
+        self.plans, self.device, self.residual = plans, device, residual
+        self.final_relu = chain.final_relu
+        bns = [st.bn for st in chain.stages]
+        self.eps = [float(bn.eps) for bn in bns]
+        self.momentum = [_momentum(bn) for bn in bns]
+        self.track = [bn.track_running_stats and bn.running_mean is not None for bn in bns]
+        self.cast = [st.conv.weight.dtype == torch.float32 for st in chain.stages]
+        k = len(plans)
+        cast_sizes = tuple(p.w_numel for p, c in zip(plans, self.cast) if c)
+        self.to_half = Cast(cast_sizes, to="to_half", device=device) if cast_sizes else None
+        self.to_float = Cast(cast_sizes, to="to_float", device=device) if cast_sizes else None
+        self.bwd_offsets, total = [], 0
+        for plan in plans:
+            self.bwd_offsets.append(total)
+            total += plan.bwd_bytes
+        self.bwd_bytes = total
+        self.dgb_offsets = [sum(2 * p.k for p in plans[:i]) for i in range(k)]
+        self.dgb_numel = sum(2 * p.k for p in plans)
+        self._preps: dict[tuple, _Prepared] = {}
+        self._streams: dict[int, int] = {}  # thread -> the stream its current call replays on
+        label = f"conv-BatchNorm run {plans[0].x_shape}"
+        self.forward = Replay(self._forward, ordinal=device, label=label + " forward")
+        self.backward: dict[tuple, Replay] = {}  # by (dx wanted, residual gradient wanted)
+        self._label = label
+
+    def _prep(self, launcher, s: int) -> _Prepared:
+        """`launcher`'s plan ready on stream `s` from this thread; a recording's side stream uses the scratch
+        of the stream its graph will replay on, as the launcher's own recordings do."""
+        tid = threading.get_ident()
+        key = (id(launcher), tid, s)
+        prep = self._preps.get(key)
+        if prep is None:
+            prep = self._preps[key] = _Prepared(launcher.plan, launcher._slots, "torch", s,
+                                                scratch_of=self._streams.get(tid, s))
+        return prep
+
+    # forward pointers: x16, r16 (or 0), out, then per stage: weight (fp32 source or the fp16 weight),
+    # the stage's buffer, gamma, beta, running_mean, running_var, num_batches_tracked (0 where absent)
+    def _forward(self, ptrs, stream: int) -> None:
+        x16, r16, out = ptrs[0], ptrs[1], ptrs[2]
+        stage_ptrs = [ptrs[3 + 7 * i: 10 + 7 * i] for i in range(len(self.plans))]
+        if self.to_half is not None:
+            casts = [(w, buf + p.w16) for (w, buf, *_), p, c in zip(stage_ptrs, self.plans, self.cast) if c]
+            self.to_half(stream, [c[0] for c in casts], [c[1] for c in casts])
+        inp, prev = x16, None
+        for i, (plan, (w, buf, gamma, beta, rm, rv, nbt)) in enumerate(zip(self.plans, stage_ptrs)):
+            w16 = buf + plan.w16 if self.cast[i] else w
+            if prev is None:
+                conv = (inp, w16, buf, buf + plan.sum, buf + plan.sq_sum)
+            else:
+                conv = (inp, prev[0], prev[1], w16, buf, buf + plan.sum, buf + plan.sq_sum)
+            self._prep(plan.fwd, stream)(conv)
+            plan.bn.finalize(stream, sum=buf + plan.sum, sq_sum=buf + plan.sq_sum, gamma=gamma, beta=beta,
+                             running_mean=rm, running_var=rv, num_batches=nbt, scale=buf + plan.scale,
+                             shift=buf + plan.shift, mean=buf + plan.mean, invstd=buf + plan.invstd,
+                             eps=self.eps[i], momentum=self.momentum[i])
+            inp, prev = buf, (buf + plan.scale, buf + plan.shift)
+        self.plans[-1].bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out, relu=self.final_relu,
+                                residual=r16)
+
+    # backward pointers: g16, out (or 0), x16, dz (or 0), dx (or 0), the backward buffer, dgb, then per
+    # stage: its forward buffer, weight (fp16 source where not cast), gamma (or 0), dw
+    def _backward(self, ptrs, stream: int) -> None:
+        g16, out, x16, dz, dx, bwd, dgb = ptrs[:7]
+        stage_ptrs = [ptrs[7 + 4 * i: 11 + 4 * i] for i in range(len(self.plans))]
+        k = len(self.plans)
+        da = g16
+        for i in range(k - 1, -1, -1):
+            plan, (buf, w, gamma, dw) = self.plans[i], stage_ptrs[i]
+            sb, last = bwd + self.bwd_offsets[i], i == k - 1
+            d_gb = dgb + 4 * self.dgb_offsets[i]
+            plan.bn.backward(stream, da=da, y=buf, out=out if last and self.final_relu else 0,
+                             scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
+                             invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
+                             dgamma=d_gb if gamma else 0, dbeta=d_gb + 4 * plan.k if gamma else 0, dy=sb,
+                             relu=self.final_relu if last else True, dz=dz if last else 0)
+            w16 = buf + plan.w16 if self.cast[i] else w
+            dw_out = sb + plan.dw16 if self.cast[i] else dw
+            if i == 0:
+                self._prep(plan.wgrad, stream)((x16, sb, dw_out))
+                if dx:
+                    self._prep(plan.dgrad, stream)((sb, w16, dx))
+            else:
+                pb, prev = stage_ptrs[i - 1][0], self.plans[i - 1]
+                self._prep(plan.wgrad, stream)((pb, pb + prev.scale, pb + prev.shift, sb, dw_out))
+                self._prep(plan.dgrad, stream)((sb, w16, sb + plan.dx))
+                da = sb + plan.dx
+        if self.to_float is not None:
+            pairs = [(bwd + self.bwd_offsets[i] + p.dw16, stage_ptrs[i][3])
+                     for i, (p, c) in enumerate(zip(self.plans, self.cast)) if c]
+            self.to_float(stream, [a for a, _ in pairs], [b for _, b in pairs])
+
+    def run_forward(self, ptrs: tuple, stream: int) -> None:
+        self._streams[threading.get_ident()] = stream
+        _replayed(self.forward, self._forward, ptrs, stream)
+
+    def run_backward(self, ptrs: tuple, stream: int, variant: tuple) -> None:
+        replay = self.backward.get(variant)
+        if replay is None:
+            replay = self.backward[variant] = Replay(self._backward, ordinal=self.device,
+                                                     label=f"{self._label} backward")
+        self._streams[threading.get_ident()] = stream
+        _replayed(replay, self._backward, ptrs, stream)
+
+
+def _replayed(replay: Replay, run, ptrs: tuple, stream: int) -> None:
+    if _low_bits(ptrs):  # a view at an odd offset somewhere: this call runs its launches directly
+        run(ptrs, stream)
+    else:
+        replay(ptrs, stream, capture_probe("torch", None)(stream))
 
 
 def _cl(shape, device, dtype=torch.float16) -> torch.Tensor:
@@ -224,93 +349,78 @@ def _bytes(n: int, device) -> torch.Tensor:
     return torch.empty(n, device=device, dtype=torch.uint8)
 
 
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a float16 channels-last tensor whose data starts 16-byte aligned (cuDNN's graphs and the
+    kernels' vector loads assume it; a view at an odd offset is copied)."""
+    if t.dtype != torch.float16 or not t.is_contiguous(memory_format=torch.channels_last):
+        t = t.to(torch.float16, memory_format=torch.channels_last)
+    if t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.channels_last)
+    return t
+
+
 class _ChainFunction(torch.autograd.Function):
-    """The whole run, forward and backward, as one autograd node. Intermediates live in one raw
-    allocation per stage and direction (torch's caching allocator, stream-ordered); only the output and
-    the gradients are tensors."""
+    """The whole run, forward and backward, as one autograd node over one `_Program`. Intermediates live in
+    one raw allocation per stage forward and one per run backward (torch's caching allocator, stream-ordered);
+    only the output and the gradients are tensors."""
 
     @staticmethod
-    def forward(ctx, chain: Chain, plans: list, x, residual, *params):
+    def forward(ctx, chain: Chain, program: _Program, x, residual, *params):
         device = x.device
-        stream = torch._C._cuda_getCurrentRawStream(x.get_device())
-        probe = capture_probe("torch", None)
         x16 = _aligned16(x)
-        weights = [p.to(torch.float16, memory_format=torch.channels_last) for p in params[0::3]]
-        bufs, inp, prev = [], x16.data_ptr(), None
-        for st, plan, w in zip(chain.stages, plans, weights):
-            buf = _bytes(plan.fwd_bytes, device)
-            base = buf.data_ptr()
-            if prev is None:
-                ptrs = (inp, w.data_ptr(), base, base + plan.sum, base + plan.sq_sum)
-            else:
-                ptrs = (inp, prev[0], prev[1], w.data_ptr(), base, base + plan.sum, base + plan.sq_sum)
-            plan.fwd.launch(ptrs, stream, probe)
-            bn = st.bn
-            plan.bn.finalize(stream, sum=base + plan.sum, sq_sum=base + plan.sq_sum, gamma=_ptr_or_0(bn.weight),
-                             beta=_ptr_or_0(bn.bias), running_mean=_ptr_or_0(bn.running_mean),
-                             running_var=_ptr_or_0(bn.running_var),
-                             num_batches=_ptr_or_0(bn.num_batches_tracked) if bn.track_running_stats else 0,
-                             scale=base + plan.scale, shift=base + plan.shift, mean=base + plan.mean,
-                             invstd=base + plan.invstd, eps=float(bn.eps), momentum=_momentum(bn))
-            bufs.append(buf)
-            inp, prev = base, (base + plan.scale, base + plan.shift)
-        last = plans[-1]
-        out = _cl(last.y_shape, device)
-        r = None if residual is None else _aligned16(residual)
-        last.bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out.data_ptr(), relu=chain.final_relu,
-                      residual=_ptr_or_0(r))
-        ctx.chain, ctx.plans, ctx.x_dtype = chain, plans, x.dtype
+        r16 = None if residual is None else _aligned16(residual)
+        out = _cl(program.plans[-1].y_shape, device)
+        bufs = [_bytes(p.fwd_bytes, device) for p in program.plans]
+        ptrs = [x16.data_ptr(), _ptr_or_0(r16), out.data_ptr()]
+        weights = []
+        for i, st in enumerate(chain.stages):
+            bn, w = st.bn, params[3 * i]
+            if not program.cast[i]:  # a float16 weight, read where it is (channels-last, as planned)
+                w = w.contiguous(memory_format=torch.channels_last)
+                weights.append(w)
+            track = program.track[i]
+            ptrs += [w.data_ptr(), bufs[i].data_ptr(), _ptr_or_0(params[3 * i + 1]), _ptr_or_0(params[3 * i + 2]),
+                     bn.running_mean.data_ptr() if track else 0, bn.running_var.data_ptr() if track else 0,
+                     bn.num_batches_tracked.data_ptr() if track else 0]
+        program.run_forward(tuple(ptrs), torch._C._cuda_getCurrentRawStream(x.get_device()))
+        ctx.chain, ctx.program, ctx.x_dtype = chain, program, x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
-        ctx.param_dtypes = [p.dtype if p is not None else None for p in params]
-        ctx.save_for_backward(x16, out if chain.final_relu else None, *bufs, *weights)
+        ctx.save_for_backward(x16, out if chain.final_relu else None, *bufs, *weights, *params)
         if residual is not None and residual.dtype != torch.float16:  # torch's type promotion of the add
             return out.to(torch.promote_types(torch.float16, residual.dtype))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        chain, plans = ctx.chain, ctx.plans
-        k = len(plans)
+        program = ctx.program
+        k = len(program.plans)
         saved = ctx.saved_tensors
-        x16, out, bufs, weights = saved[0], saved[1], saved[2:2 + k], saved[2 + k:]
+        x16, out, bufs = saved[0], saved[1], saved[2:2 + k]
+        n_w = k - sum(program.cast)
+        weights, params = list(saved[2 + k:2 + k + n_w]), saved[2 + k + n_w:]
         device = x16.device
-        stream = torch._C._cuda_getCurrentRawStream(x16.get_device())
-        probe = capture_probe("torch", None)
-        da_t = _aligned16(grad)  # the reference keeps da alive while its readers queue
-        da = da_t.data_ptr()
-        grads: list = [None] * (3 * k)
-        dres = dx = None
-        for i in range(k - 1, -1, -1):
-            plan, st, base = plans[i], chain.stages[i], bufs[i].data_ptr()
-            last = i == k - 1
-            scratch = _bytes(plan.bwd_bytes, device)
-            sb = scratch.data_ptr()
-            dgb = torch.empty((2, plan.k), device=device, dtype=torch.float32)
-            dz = _cl(plan.y_shape, device) if last and ctx.needs_input_grad[3] else None
-            bn = st.bn
-            plan.bn.backward(stream, da=da, y=base, out=_ptr_or_0(out) if last else 0, scale=base + plan.scale,
-                             shift=base + plan.shift, gamma=_ptr_or_0(bn.weight), mean=base + plan.mean,
-                             invstd=base + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
-                             dgamma=dgb.data_ptr(), dbeta=dgb.data_ptr() + 4 * plan.k, dy=sb,
-                             relu=chain.final_relu if last else st.relu, dz=_ptr_or_0(dz))
-            if last and dz is not None:
-                dres = dz if ctx.residual_dtype == torch.float16 else dz.to(ctx.residual_dtype)
-            w = weights[i]
-            dw = torch.empty_like(w)
-            if i == 0:
-                plan.wgrad.launch((x16.data_ptr(), sb, dw.data_ptr()), stream, probe)
+        g16 = _aligned16(grad)
+        want_dx, want_dz = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        dx = _cl(program.plans[0].x_shape, device) if want_dx else None
+        dz = _cl(program.plans[-1].y_shape, device) if want_dz else None
+        bwd = _bytes(program.bwd_bytes, device)
+        dgb = torch.empty(program.dgb_numel, device=device, dtype=torch.float32)
+        dws = [torch.empty_like(params[3 * i], memory_format=torch.channels_last) for i in range(k)]
+        ptrs = [g16.data_ptr(), _ptr_or_0(out), x16.data_ptr(), _ptr_or_0(dz), _ptr_or_0(dx), bwd.data_ptr(),
+                dgb.data_ptr()]
+        for i in range(k):
+            w = weights.pop(0).data_ptr() if not program.cast[i] else 0
+            ptrs += [bufs[i].data_ptr(), w, _ptr_or_0(params[3 * i + 1]), dws[i].data_ptr()]
+        program.run_backward(tuple(ptrs), torch._C._cuda_getCurrentRawStream(x16.get_device()), (want_dx, want_dz))
+        grads: list = []
+        for i in range(k):
+            grads.append(dws[i])
+            if params[3 * i + 1] is not None:
+                o, c = program.dgb_offsets[i], program.plans[i].k
+                grads += [dgb[o:o + c], dgb[o + c:o + 2 * c]]
             else:
-                prev, pb = plans[i - 1], bufs[i - 1].data_ptr()
-                plan.wgrad.launch((pb, pb + prev.scale, pb + prev.shift, sb, dw.data_ptr()), stream, probe)
-            if i > 0:
-                plan.dgrad.launch((sb, w.data_ptr(), sb + plan.dx), stream, probe)
-                da_t, da = scratch, sb + plan.dx
-            elif ctx.needs_input_grad[2]:
-                dx = _cl(plan.x_shape, device)
-                plan.dgrad.launch((sb, w.data_ptr(), dx.data_ptr()), stream, probe)
-            grads[3 * i] = dw.to(ctx.param_dtypes[3 * i])
-            if bn.weight is not None:
-                grads[3 * i + 1], grads[3 * i + 2] = dgb[0], dgb[1]
+                grads += [None, None]
         if dx is not None and dx.dtype != ctx.x_dtype:
             dx = dx.to(ctx.x_dtype)
-        return (None, None, dx, dres, *grads)
+        dres = None if dz is None or ctx.residual_dtype == torch.float16 else dz.to(ctx.residual_dtype)
+        return (None, None, dx, dz if dres is None else dres, *grads)
