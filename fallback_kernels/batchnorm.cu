@@ -183,6 +183,9 @@ __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(const T* _
             accumulate<RV>(g, v, pre, s, t, mean, a != nullptr, relu, dz_sum, dzy_sum);
         }
     } else if (c0 < C) {
+        // one block per tile sums every chunk: unrolled so its loads overlap (a 64-channel layer's ~1000
+        // chunks were ~65 dependent rounds of global latency a thread)
+#pragma unroll 8
         for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
 #pragma unroll
             for (int j = 0; j < RV; ++j) {
