@@ -227,6 +227,62 @@ __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(const T* _
     }
 }
 
+// The conv output's per-channel sum and sum of squares in a fixed order, for deterministic mode: cuDNN's
+// genstats adds its blocks' sums in no fixed order (bit-different statistics call to call, measured on an
+// H200 with deterministic plans). Same chunks and phases as bn_bwd_reduce; phase 1 writes sum, sq_sum.
+template <typename T, int RV>
+__global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_stats(const T* __restrict__ y, float* __restrict__ partials,
+                                                                float* __restrict__ sum, float* __restrict__ sq_sum,
+                                                                long long rows, int C, long long chunk_rows,
+                                                                long long chunks, int phase) {
+    __shared__ float lanes[2][ROWS_LANES][TILE * RV + 1];
+    const int c0 = (blockIdx.x * TILE + threadIdx.x) * RV;
+    float s1[RV], s2[RV];
+#pragma unroll
+    for (int j = 0; j < RV; ++j) s1[j] = s2[j] = 0.f;
+    if (c0 < C && phase == 0) {
+        const long long r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+#pragma unroll 4
+        for (long long r = r0 + threadIdx.y; r < r1; r += ROWS_LANES) {
+            float v[RV];
+            load<T, RV>(y, r * C + c0, v);
+#pragma unroll
+            for (int j = 0; j < RV; ++j) { s1[j] += v[j]; s2[j] += v[j] * v[j]; }
+        }
+    } else if (c0 < C) {
+#pragma unroll 8
+        for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                s1[j] += partials[(2 * k) * C + c0 + j];
+                s2[j] += partials[(2 * k + 1) * C + c0 + j];
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        lanes[0][threadIdx.y][threadIdx.x * RV + j] = s1[j];
+        lanes[1][threadIdx.y][threadIdx.x * RV + j] = s2[j];
+    }
+    __syncthreads();
+    if (threadIdx.y != 0 || c0 >= C) return;
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        float a = 0.f, b = 0.f;
+        for (int l = 0; l < ROWS_LANES; ++l) {
+            a += lanes[0][l][threadIdx.x * RV + j];
+            b += lanes[1][l][threadIdx.x * RV + j];
+        }
+        if (phase == 0) {
+            partials[(2 * blockIdx.y) * C + c0 + j] = a;
+            partials[(2 * blockIdx.y + 1) * C + c0 + j] = b;
+        } else {
+            sum[c0 + j] = a;
+            sq_sum[c0 + j] = b;
+        }
+    }
+}
+
 template <typename T, int VEC>
 __global__ void bn_bwd_apply(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
                              const T* __restrict__ scale, const T* __restrict__ shift,

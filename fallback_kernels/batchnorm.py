@@ -41,6 +41,7 @@ NULL = 0
 def _names(dtype: str) -> dict[str, str]:
     t = CTYPES[dtype]
     return {"finalize": f"bn_finalize<{t}>", **{f"reduce{v}": f"bn_bwd_reduce<{t}, {v}>" for v in (1, 2)},
+            **{f"stats{v}": f"bn_stats<{t}, {v}>" for v in (1, 2)},
             **{f"apply{v}": f"bn_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])},
             **{f"bwd_apply{v}": f"bn_bwd_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])}}
 
@@ -113,8 +114,19 @@ class BatchNormKernels:
         reduce = fns[f"reduce{rv}"]
         self._reduce = (_Launch(reduce, (tiles, self.chunks), (TILE, LANES), self._reduce_args[0], device),
                         _Launch(reduce, tiles, (TILE, LANES), self._reduce_args[1], device))
+        stats = fns[f"stats{rv}"]
+        common = [i64(rows), i32(c), i64(chunk), i64(self.chunks)]
+        self._stats_args = ([*_ptrs(4), *common, i32(0)], [*_ptrs(4), *common, i32(1)])
+        self._stats = (_Launch(stats, (tiles, self.chunks), (TILE, LANES), self._stats_args[0], device),
+                       _Launch(stats, tiles, (TILE, LANES), self._stats_args[1], device))
         self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
         self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
+
+    def stats(self, stream: int, *, y: int, partials: int, sum: int, sq_sum: int) -> None:
+        """The per-channel sum and sum of squares of y in a fixed order (deterministic); `partials` holds
+        `partials_bytes`."""
+        self._stats[0](stream, y, partials, sum, sq_sum)
+        self._stats[1](stream, y, partials, sum, sq_sum)
 
     def finalize(self, stream: int, *, sum: int, sq_sum: int, gamma: int, beta: int, running_mean: int,
                  running_var: int, num_batches: int, scale: int, shift: int, mean: int, invstd: int,

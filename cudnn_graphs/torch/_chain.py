@@ -7,7 +7,10 @@ output per channel (`stats`), reading the previous stage's raw conv output throu
 relu(y * scale + shift) prologue, so no normalised activation is written; a one-block kernel turns the
 sums into mean, 1/std, scale, shift and the running statistics. One pass writes the run's output.
 Backward, per stage: a two-launch reduction and one elementwise pass give dy, dgamma, dbeta; cuDNN's
-dgrad, and its wgrad with the same prologue on its input.
+dgrad, and its wgrad with the same prologue on its input. From its second call, a run's forward and its
+backward each replay as one re-pointed CUDA graph. Deterministic mode (`torch.use_deterministic_algorithms`,
+`cudnn.deterministic`) sums the statistics with our own fixed-order kernel: cuDNN's genstats does not
+add its blocks in a fixed order.
 
 cuDNN 9.19 builds these graphs for float16, channels-last, ungrouped 2-D convs (`tools/probe_bn_fusions.py`:
 every ResNet-50 layer, strided ones too; not bf16, not float32 operands). Anything else -- another
@@ -59,17 +62,21 @@ class _StagePlan:
     """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
     def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int):
+        # Deterministic sessions sum the statistics in our fixed order: cuDNN's genstats does not (the same
+        # inputs gave bit-different sums call to call with deterministic plans, H200, cuDNN 9.19).
+        self.own_stats = bool(session.deterministic)
         conv = stage.conv
         params = dict(padding=_padding(conv), stride=tuple(conv.stride), dilation=tuple(conv.dilation),
                       dtype="float16", layout="channels_last")
         w_shape = tuple(conv.weight.shape)
         pro = "scale_bias_relu" if prologue else None
-        fwd = ConvFwdSpec(x_shape, w_shape, prologue=pro, stats=True, **params)
+        fwd = ConvFwdSpec(x_shape, w_shape, prologue=pro, stats=not self.own_stats, **params)
         self.x_shape, self.y_shape, self.k, self.w_numel = x_shape, fwd.y_shape, w_shape[0], math.prod(w_shape)
         self.rows = math.prod(self.y_shape) // self.k
         self.bn = BatchNormKernels(self.rows, self.k, "float16", device)
         extra = ("scale", "shift") if prologue else ()
-        self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", "sum", "sq_sum"), "torch")
+        stats = () if self.own_stats else ("sum", "sq_sum")
+        self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", *stats), "torch")
         self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
             ("dy", "w", "dx"), "torch")
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
@@ -81,7 +88,8 @@ class _StagePlan:
         self.sum, self.sq_sum, self.mean, self.invstd = (y_bytes + i * f32 for i in range(4))
         self.scale, self.shift = y_bytes + 4 * f32, y_bytes + 4 * f32 + _up(k * _F16)
         self.w16 = self.shift + _up(k * _F16)
-        self.fwd_bytes = self.w16 + w_bytes
+        self.stats_partials = self.w16 + w_bytes  # deterministic statistics' partial sums
+        self.fwd_bytes = self.stats_partials + (_up(self.bn.partials_bytes) if self.own_stats else 0)
         # The backward's pieces of this stage (offsets within the run's one backward allocation): dy, the
         # reduction's coefficients and partials, the float16 dw, then dx where another stage reads it.
         self.coef = y_bytes
@@ -276,11 +284,12 @@ class _Program:
         inp, prev = x16, None
         for i, (plan, (w, buf, gamma, beta, rm, rv, nbt)) in enumerate(zip(self.plans, stage_ptrs)):
             w16 = buf + plan.w16 if self.cast[i] else w
-            if prev is None:
-                conv = (inp, w16, buf, buf + plan.sum, buf + plan.sq_sum)
-            else:
-                conv = (inp, prev[0], prev[1], w16, buf, buf + plan.sum, buf + plan.sq_sum)
+            stats = () if plan.own_stats else (buf + plan.sum, buf + plan.sq_sum)
+            conv = (inp, w16, buf, *stats) if prev is None else (inp, prev[0], prev[1], w16, buf, *stats)
             self._prep(plan.fwd, stream)(conv)
+            if plan.own_stats:
+                plan.bn.stats(stream, y=buf, partials=buf + plan.stats_partials, sum=buf + plan.sum,
+                              sq_sum=buf + plan.sq_sum)
             plan.bn.finalize(stream, sum=buf + plan.sum, sq_sum=buf + plan.sq_sum, gamma=gamma, beta=beta,
                              running_mean=rm, running_var=rv, num_batches=nbt, scale=buf + plan.scale,
                              shift=buf + plan.shift, mean=buf + plan.mean, invstd=buf + plan.invstd,
