@@ -147,6 +147,7 @@ def test_chain_is_deterministic_and_never_synchronises():
             b = copy.deepcopy(block)
             chain = b.chain()
             out, dx, _ = _run(b, chain, x, x, g, False)
+            assert chain.status() == "fused", chain.status()
             results.append([out, dx] + [p.grad for p in b.parameters()])
     finally:
         torch.use_deterministic_algorithms(False)
@@ -213,6 +214,7 @@ def test_replayed_calls_equal_direct_ones_bit_for_bit():
     finally:
         torch.use_deterministic_algorithms(False)
     program, = chain._plans.values()
+    assert program is not None, chain.status()
     assert program.forward.replays >= 2 and sum(r.replays for r in program.backward.values()) >= 2
     for n, later in enumerate(results[1:], start=1):
         differ = [(name, float((a.double() - b.double()).abs().max())) for name, a, b in zip(names, results[0], later)

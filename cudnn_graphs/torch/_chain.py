@@ -62,21 +62,21 @@ class _StagePlan:
     """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
     def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int):
-        # Deterministic sessions sum the statistics in our fixed order: cuDNN's genstats does not (the same
-        # inputs gave bit-different sums call to call with deterministic plans, H200, cuDNN 9.19).
+        # Deterministic sessions sum the statistics again in our fixed order, over cuDNN's: its genstats does
+        # not add in a fixed order (bit-different sums call to call with deterministic plans, H200, cuDNN
+        # 9.19), and the prologue conv has no engine without genstats.
         self.own_stats = bool(session.deterministic)
         conv = stage.conv
         params = dict(padding=_padding(conv), stride=tuple(conv.stride), dilation=tuple(conv.dilation),
                       dtype="float16", layout="channels_last")
         w_shape = tuple(conv.weight.shape)
         pro = "scale_bias_relu" if prologue else None
-        fwd = ConvFwdSpec(x_shape, w_shape, prologue=pro, stats=not self.own_stats, **params)
+        fwd = ConvFwdSpec(x_shape, w_shape, prologue=pro, stats=True, **params)
         self.x_shape, self.y_shape, self.k, self.w_numel = x_shape, fwd.y_shape, w_shape[0], math.prod(w_shape)
         self.rows = math.prod(self.y_shape) // self.k
         self.bn = BatchNormKernels(self.rows, self.k, "float16", device)
         extra = ("scale", "shift") if prologue else ()
-        stats = () if self.own_stats else ("sum", "sq_sum")
-        self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", *stats), "torch")
+        self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", "sum", "sq_sum"), "torch")
         self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
             ("dy", "w", "dx"), "torch")
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
@@ -284,7 +284,7 @@ class _Program:
         inp, prev = x16, None
         for i, (plan, (w, buf, gamma, beta, rm, rv, nbt)) in enumerate(zip(self.plans, stage_ptrs)):
             w16 = buf + plan.w16 if self.cast[i] else w
-            stats = () if plan.own_stats else (buf + plan.sum, buf + plan.sq_sum)
+            stats = (buf + plan.sum, buf + plan.sq_sum)
             conv = (inp, w16, buf, *stats) if prev is None else (inp, prev[0], prev[1], w16, buf, *stats)
             self._prep(plan.fwd, stream)(conv)
             if plan.own_stats:
