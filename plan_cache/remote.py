@@ -73,19 +73,25 @@ class RemoteStore:
 
     `get(key)` returns a `PlanRecord` or None (a miss, or any trouble); `fetch(key)` also says which;
     `put(record, keep_existing=)` writes unless `keep_existing(record, stored)` says the stored one stays,
-    atomically against concurrent writers (WATCH / MULTI). Each call ends within `timeout` seconds; listing
-    the keys within `list_timeout`. Thread-safe; counters in `stats()`. `self.url` is the URL with its
+    atomically against concurrent writers (WATCH / MULTI). Each read ends within `timeout` seconds, each write
+    within `write_timeout` (default the larger of 5 s and `timeout`: writes run on a background thread, off
+    the job's path, and a thread starved of the GIL by a plan build in C++ lost its 0.5 s to waiting: a
+    warm-up on an H200 stored 23 of 69 records so); listing the keys within `list_timeout`. Thread-safe; counters in `stats()`. `self.url` is the URL with its
     password hidden.
     """
 
     def __init__(self, url: str, *, secret: bytes, timeout: float = 0.5, backoff: float = 30.0,
-                 prefix: str = "cudnn-graphs", list_timeout: float = 30.0):
+                 prefix: str = "cudnn-graphs", list_timeout: float = 30.0, write_timeout: float | None = None):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise RemoteCacheError(f"the remote cache's secret must be at least {MIN_SECRET_BYTES} bytes")
         if not (isinstance(timeout, (int, float)) and 0 < timeout <= 60):
             raise RemoteCacheError(f"timeout={timeout!r}: expected seconds in (0, 60]")
         if not (isinstance(list_timeout, (int, float)) and 0 < list_timeout <= 3600):
             raise RemoteCacheError(f"list_timeout={list_timeout!r}: expected seconds in (0, 3600]")
+        if write_timeout is None:
+            write_timeout = max(5.0, float(timeout))
+        if not (isinstance(write_timeout, (int, float)) and 0 < write_timeout <= 600):
+            raise RemoteCacheError(f"write_timeout={write_timeout!r}: expected seconds in (0, 600]")
         try:
             import redis
 
@@ -99,7 +105,7 @@ class RemoteStore:
             raise RemoteCacheError(f"remote cache URL {redact_url(url)!r}: {err}") from None
         self._redis, self._io = redis, _redis_io
         self.url, self.timeout, self.backoff, self.prefix = redact_url(url), float(timeout), float(backoff), prefix
-        self.list_timeout = float(list_timeout)
+        self.list_timeout, self.write_timeout = float(list_timeout), float(write_timeout)
         self._secret = bytes(secret)
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.Lock()
@@ -203,7 +209,7 @@ class RemoteStore:
             return False
         name = self.name_of(record.key)
         value = self._wrap(name, encode(record))
-        outcome = self._call("put", lambda: self._put(name, record, value, keep_existing))
+        outcome = self._call("put", lambda: self._put(name, record, value, keep_existing), seconds=self.write_timeout)
         if outcome is _FAILED or not outcome:
             return False
         self._count("puts")

@@ -35,8 +35,10 @@ for spec in specs:
     torch.cuda.synchronize()
     unwritten += any(not math.isfinite(float(bufs[r].double().sum())) for r in outputs[spec.op])
 stats = session.counters()
+remote = session.stats().get("remote", {})
 print(json.dumps({"specs": len(specs), "unwritten": unwritten, **{k: stats[k] for k in
                   ("builds", "remote_hits", "remote_refused", "disk_hits")}}))
+print(json.dumps(remote), file=sys.stderr)
 """
 
 
@@ -48,7 +50,7 @@ def test_two_fresh_processes_plan_the_preset_from_a_warm_remote_with_zero_builds
                                "--no-progress", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=400,
                               env={**base, "CUDNN_GRAPHS_CACHE_DIR": str(tmp_path / "warm")})
         assert warm.returncode == 0, warm.stderr[-3000:]
-        assert json.loads(warm.stdout)["counts"]["built"] == 69
+        assert json.loads(warm.stdout)["counts"]["built"] == 69, warm.stderr[-3000:]
         procs = [subprocess.Popen([sys.executable, "-c", _WORKER], cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env={**base, "CUDNN_GRAPHS_CACHE_DIR": str(tmp_path / f"fresh{i}")})
@@ -58,6 +60,6 @@ def test_two_fresh_processes_plan_the_preset_from_a_warm_remote_with_zero_builds
             assert proc.returncode == 0, err[-3000:]
             got = json.loads(out.strip().splitlines()[-1])
             assert got == {"specs": 69, "unwritten": 0, "builds": 0, "remote_hits": 69, "remote_refused": 0,
-                           "disk_hits": 69}, got
+                           "disk_hits": 69}, (got, err[-2000:], warm.stderr[-2000:])
     finally:
         server.stop()

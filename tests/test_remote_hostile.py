@@ -117,7 +117,7 @@ def test_the_password_in_the_url_reaches_no_output(tmp_path, caplog, monkeypatch
 def test_a_trickling_server_is_cut_off_at_the_deadline():
     srv = FakeServer(lambda cmd: trickle(b"$100\r\n" + b"x" * 100 + b"\r\n", 0.1), lifetime=6)
     try:
-        remote = RemoteStore(srv.url, secret=SECRET, timeout=1.0)
+        remote = RemoteStore(srv.url, secret=SECRET, timeout=1.0, write_timeout=1.0)  # reads and writes alike
         for call in (lambda: remote.get(_record().key), lambda: remote.put(_record())):
             start = time.monotonic()
             call()
@@ -268,3 +268,13 @@ def test_pull_with_planted_keys_pulls_every_valid_record(server, tmp_path):
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert sorted(PlanStore(tmp_path / "b").keys()) == sorted(r.key for r in records)
     assert "refused" not in out.stdout and "not a plan record" in out.stdout, out.stdout
+
+
+def test_writes_default_to_a_longer_deadline_than_reads():
+    """Writes run off the job's path (a background thread that a plan build in C++ can starve of the GIL):
+    they get max(5 s, timeout), reads keep `timeout`; a bad value is refused naming the argument."""
+    remote = RemoteStore("redis://127.0.0.1:1/0", secret=SECRET, timeout=0.5)
+    assert remote.timeout == 0.5 and remote.write_timeout == 5.0
+    assert RemoteStore("redis://127.0.0.1:1/0", secret=SECRET, timeout=8).write_timeout == 8.0
+    with pytest.raises(RemoteCacheError, match="write_timeout"):
+        RemoteStore("redis://127.0.0.1:1/0", secret=SECRET, write_timeout=0)
