@@ -64,7 +64,8 @@ def test_training_convert_finds_runs_and_keeps_paths():
     cgt.convert(net)
     report = net.cudnn_graphs_report
     where = {w: len(c.stages) for w, c in report.chains}
-    assert where == {"0": 2, "7": 1, "9": 3, "10": 3, "10.downsample.0": 1, "11": 2, "13.0": 1}
+    # single-stage runs (7, a downsample, 13.0) stay unfused: they measured slower fused
+    assert where == {"0": 2, "9": 3, "10": 3, "11": 2}
     assert list(net.state_dict()) == keys
     assert all(c.status() == "not run in training yet" for _, c in report.chains)
     assert "runs, each one fused node in training" in str(report)
