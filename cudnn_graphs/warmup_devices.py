@@ -1,7 +1,11 @@
 """`cudnn-graphs warmup --devices`: the specs spread over several GPUs, one worker process per GPU.
 
-Workers take the next spec from one queue (autotuning times differ by spec, so a fixed split would leave
-GPUs idle), plan it in a session on their GPU and report the outcome; all write one cache (the store is
+Workers take the next spec from one queue, largest convolution first (autotuning times differ by spec and
+grow with its size: a large one drawn last would leave the other GPUs idle while it is timed), plan it in
+a session on their GPU and report the outcome. The first GPU's worker is a thread of this process, which
+has imported everything already: it starts at once, while the spawned workers of the other GPUs are
+still starting (a spawned interpreter imports torch, CuPy and the frontend again, seconds of a minute's
+warm-up); all write one cache (the store is
 safe for many processes) and, when configured, the remote. Keys hold no device index, so a record a worker
 wrote on GPU 1 serves GPU 0 of this node and every identical node. The parent draws one progress bar and
 one summary over all of them.
@@ -9,10 +13,12 @@ one summary over all of them.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import queue
 import signal
 import sys
+import threading
 
 from .warmup import RELEASE_EVERY, SpecSource, Summary, _plan_one, _progress, warmup_session
 
@@ -22,14 +28,18 @@ _RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
 def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summary:
     ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable; workers start clean
     tasks, results = ctx.Queue(), ctx.Queue()
-    for i, source in enumerate(sources):
+    for i, source in sorted(enumerate(sources), key=lambda item: -_work(item[1].spec)):
         tasks.put((i, source.where, source.spec.to_dict()))
     for _ in devices:
         tasks.put(None)  # one stop mark per worker
     options = {"cache": args.cache, "autotune": args.autotune, "autotune_limit": args.autotune_limit}
     workers = [ctx.Process(target=_worker, args=(device, options, tasks, results), daemon=True,
-                           name=f"cudnn-graphs-warmup-gpu{device}") for device in devices]
+                           name=f"cudnn-graphs-warmup-gpu{device}") for device in devices[1:]]
     _start_ignoring_ctrl_c(workers)
+    here = threading.Thread(target=_worker, args=(devices[0], options, tasks, results), daemon=True,
+                            name=f"cudnn-graphs-warmup-gpu{devices[0]}")
+    here.start()
+    workers.insert(0, _ThreadWorker(here))
     summary = Summary(by_device=dict.fromkeys(devices, 0))
     interrupted = False
     try:
@@ -46,6 +56,28 @@ def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summ
             if w.is_alive():
                 w.terminate()
     return summary
+
+
+def _work(spec) -> int:
+    """A spec's size in multiply-adds (its output times one output element's inputs): the order to draw in."""
+    out = spec.y_shape if spec.op == "conv_fwd" else spec.dy_shape
+    return math.prod(out) * math.prod(spec.w_shape[1:])
+
+
+class _ThreadWorker:
+    """The in-process worker, answering what the parent asks of a worker process."""
+
+    def __init__(self, thread: threading.Thread):
+        self.thread = thread
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def terminate(self) -> None:
+        pass  # a daemon thread: it ends with the process, after the spec it is planning
 
 
 def _start_ignoring_ctrl_c(workers) -> None:

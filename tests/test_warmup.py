@@ -215,3 +215,16 @@ def test_a_long_warmup_lets_go_of_the_plans_it_stored(monkeypatch):
     args = SimpleNamespace(device=0, no_progress=True)
     summary = warmup._plan_all(sources, args)
     assert summary.counts["cached"] == 7 and len(released) == 2
+
+
+def test_devices_draw_the_largest_convolutions_first():
+    """`warmup --devices` queues specs by size, largest first, so no GPU is left timing a large one alone
+    at the end while the others idle."""
+    from cudnn_graphs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec
+    from cudnn_graphs.warmup_devices import _work
+
+    small = ConvFwdSpec((2, 8, 8, 8), (8, 8, 1, 1))
+    large = ConvFwdSpec((2, 64, 32, 32), (64, 64, 3, 3), padding=1)
+    dgrad = ConvBwdDataSpec((2, 64, 32, 32), (64, 64, 3, 3), (2, 64, 32, 32), padding=1)
+    wgrad = ConvBwdFilterSpec((2, 64, 32, 32), (2, 64, 32, 32), (64, 64, 3, 3), padding=1)
+    assert _work(large) == _work(dgrad) == _work(wgrad) > _work(small)
