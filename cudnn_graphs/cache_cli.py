@@ -56,7 +56,7 @@ def parse_size(text: str) -> int:
 
 def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `cache` command and its subcommands to `subparsers` (from `ArgumentParser.add_subparsers`)."""
-    cache = subparsers.add_parser("cache", help="list, check, trim, clear, export and import cached plans",
+    cache = subparsers.add_parser("cache", help="list, check, trim, clear, export, import, push and pull cached plans",
                                   description="Inspect and maintain the on-disk plan cache.")
     _cache_option(cache, argparse.SUPPRESS)
     common = argparse.ArgumentParser(add_help=False)

@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                        "`cudnn-graphs env` printed there")
     _add_warmup_parser(sub)
     add_cache_parser(sub)
-    doctor_help = ("check this machine: GPU, driver, libcudnn, frontend, configuration, cache directory; "
-                   "exit 1 with the fix when something is wrong")
+    doctor_help = ("check this machine: GPU, driver, libcudnn, frontend, configuration, cache directory, remote "
+                   "cache; exit 1 with the fix when something is wrong")
     doctor = sub.add_parser("doctor", help=doctor_help, description=doctor_help[0].upper() + doctor_help[1:] + ".")
     doctor.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
     return p
