@@ -6,8 +6,8 @@
 //   bn_apply       : out = [relu](y*scale + shift [+ r | + r*scale2 + shift2]) where the activation must
 //                    exist in memory (a block's end; else the next conv applies it in its prologue);
 //   bn_bwd_reduce  : per channel, sum(dz) and sum(dz * (y - mean)) with dz = da * [pre-activation > 0], in
-//                    row chunks (phase 0) summed in a fixed order (phase 1): deterministic. Phase 1 also
-//                    writes dgamma, dbeta and the coefficients of dy = A*dz + B*(y - mean) + C;
+//                    row chunks summed in a fixed order by the last block to finish: deterministic. It
+//                    also writes dgamma, dbeta and the coefficients of dy = A*dz + B*(y - mean) + C;
 //   bn_bwd_apply   : dy = A*dz + B*(y - mean) + C, and dz itself where a residual input needs it.
 // Sums over y - mean, not y: a channel whose mean is large against its spread loses nothing to cancellation.
 // scale and shift are stored in the io type: cuDNN's prologue reads them so (it declines float32
@@ -125,6 +125,72 @@ __device__ __forceinline__ float masked(const T* __restrict__ da, const T* __res
 
 #define UNROLL 4
 
+// The ROWS_LANES row lanes' sums of each channel added in lane order; thread row 0 gets the totals.
+template <int RV>
+__device__ __forceinline__ void sum_lanes(float (&lanes)[2][ROWS_LANES][TILE * RV + 1], float (&s1)[RV],
+                                          float (&s2)[RV]) {
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        lanes[0][threadIdx.y][threadIdx.x * RV + j] = s1[j];
+        lanes[1][threadIdx.y][threadIdx.x * RV + j] = s2[j];
+    }
+    __syncthreads();
+    if (threadIdx.y == 0) {
+#pragma unroll
+        for (int j = 0; j < RV; ++j) {
+            float a = 0.f, b = 0.f;
+            for (int l = 0; l < ROWS_LANES; ++l) {
+                a += lanes[0][l][threadIdx.x * RV + j];
+                b += lanes[1][l][threadIdx.x * RV + j];
+            }
+            s1[j] = a;
+            s2[j] = b;
+        }
+    }
+    __syncthreads();  // the lanes may be written again after this
+}
+
+// A chunk's block adds its lanes and stores the sums as partials[chunk][2][C]; the tile's last block to
+// arrive (counted in `counters[tile]`, left at 0 again for the next launch) sums every chunk in chunk order
+// -- the same order whichever block is last: deterministic -- and returns true, thread row 0 holding the
+// totals. One launch where a second one for the chunks' sum cost ~5-20 us of latency a stage.
+template <int RV>
+__device__ bool last_block_totals(float (&lanes)[2][ROWS_LANES][TILE * RV + 1], float (&s1)[RV], float (&s2)[RV],
+                                  float* __restrict__ partials, unsigned int* __restrict__ counters, int C, int c0,
+                                  long long chunks) {
+    __shared__ bool last;
+    sum_lanes<RV>(lanes, s1, s2);
+    if (threadIdx.y == 0 && c0 < C) {
+#pragma unroll
+        for (int j = 0; j < RV; ++j) {
+            partials[(2 * blockIdx.y) * C + c0 + j] = s1[j];
+            partials[(2 * blockIdx.y + 1) * C + c0 + j] = s2[j];
+        }
+    }
+    __threadfence();  // this block's partials are visible before its count is
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(&counters[blockIdx.x], 1u) == (unsigned int)(chunks - 1);
+        if (last) counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return false;
+#pragma unroll
+    for (int j = 0; j < RV; ++j) s1[j] = s2[j] = 0.f;
+    if (c0 < C) {
+#pragma unroll 8
+        for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                s1[j] += __ldcg(partials + (2 * k) * C + c0 + j);  // through L2: other blocks wrote them
+                s2[j] += __ldcg(partials + (2 * k + 1) * C + c0 + j);
+            }
+        }
+    }
+    sum_lanes<RV>(lanes, s1, s2);
+    return true;
+}
+
 template <int RV>
 __device__ __forceinline__ void accumulate(const float (&g)[RV], const float (&v)[RV], const float (&pre)[RV],
                                            const float (&s)[RV], const float (&t)[RV], const float (&mean)[RV],
@@ -138,22 +204,23 @@ __device__ __forceinline__ void accumulate(const float (&g)[RV], const float (&v
     }
 }
 
-// phase 0: block (tile, chunk) sums dz and dz*(y - mean) over its rows into partials[chunk][2][C];
-// phase 1: one block row per tile sums the chunks in order, then writes dgamma, dbeta and the coefficients.
-// A thread owns RV adjacent channels (one RV-wide load a row): a warp then reads whole 128-byte lines.
+// Block (tile, chunk) sums dz and dz*(y - mean) over its rows; the tile's last block writes dgamma, dbeta and
+// the coefficients (last_block_totals). A thread owns RV adjacent channels (one RV-wide load a row): a warp
+// reads whole 128-byte lines. `counters` is the caller's, one per tile, zero between launches: two launches
+// using the same counters must not overlap.
 template <typename T, int RV>
-__global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a,
-                              const T* __restrict__ scale, const T* __restrict__ shift,
-                              const float* __restrict__ gamma, const float* __restrict__ save_mean,
-                              const float* __restrict__ save_invstd, float* __restrict__ partials,
-                              float* __restrict__ dgamma, float* __restrict__ dbeta, float* __restrict__ coef,
-                              long long rows, int C, long long chunk_rows, long long chunks, int relu, int phase) {
+__global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(
+        const T* __restrict__ da, const T* __restrict__ y, const T* __restrict__ a, const T* __restrict__ scale,
+        const T* __restrict__ shift, const float* __restrict__ gamma, const float* __restrict__ save_mean,
+        const float* __restrict__ save_invstd, float* __restrict__ partials, float* __restrict__ dgamma,
+        float* __restrict__ dbeta, float* __restrict__ coef, unsigned int* __restrict__ counters,
+        long long rows, int C, long long chunk_rows, long long chunks, int relu) {
     __shared__ float lanes[2][ROWS_LANES][TILE * RV + 1];
     const int c0 = (blockIdx.x * TILE + threadIdx.x) * RV;
     float dz_sum[RV], dzy_sum[RV];
 #pragma unroll
     for (int j = 0; j < RV; ++j) dz_sum[j] = dzy_sum[j] = 0.f;
-    if (c0 < C && phase == 0) {
+    if (c0 < C) {
         float s[RV], t[RV], mean[RV];
         load<T, RV>(scale, c0, s);
         load<T, RV>(shift, c0, t);
@@ -182,40 +249,14 @@ __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(const T* _
             if (a != nullptr) load<T, RV>(a, i, pre);
             accumulate<RV>(g, v, pre, s, t, mean, a != nullptr, relu, dz_sum, dzy_sum);
         }
-    } else if (c0 < C) {
-        // one block per tile sums every chunk: unrolled so its loads overlap (a 64-channel layer's ~1000
-        // chunks were ~65 dependent rounds of global latency a thread)
-#pragma unroll 8
-        for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
-#pragma unroll
-            for (int j = 0; j < RV; ++j) {
-                dz_sum[j] += partials[(2 * k) * C + c0 + j];
-                dzy_sum[j] += partials[(2 * k + 1) * C + c0 + j];
-            }
-        }
     }
-#pragma unroll
-    for (int j = 0; j < RV; ++j) {
-        lanes[0][threadIdx.y][threadIdx.x * RV + j] = dz_sum[j];
-        lanes[1][threadIdx.y][threadIdx.x * RV + j] = dzy_sum[j];
-    }
-    __syncthreads();
+    if (!last_block_totals<RV>(lanes, dz_sum, dzy_sum, partials, counters, C, c0, chunks)) return;
     if (threadIdx.y != 0 || c0 >= C) return;
 #pragma unroll
     for (int j = 0; j < RV; ++j) {
         const int c = c0 + j;
-        float total = 0.f, total_y = 0.f;
-        for (int l = 0; l < ROWS_LANES; ++l) {
-            total += lanes[0][l][threadIdx.x * RV + j];
-            total_y += lanes[1][l][threadIdx.x * RV + j];
-        }
-        if (phase == 0) {
-            partials[(2 * blockIdx.y) * C + c] = total;
-            partials[(2 * blockIdx.y + 1) * C + c] = total_y;
-            continue;
-        }
-        const float invstd = save_invstd[c], m = (float)rows;
-        const float dzx = invstd * total_y;  // sum(dz * xhat)
+        const float total = dz_sum[j], invstd = save_invstd[c], m = (float)rows;
+        const float dzx = invstd * dzy_sum[j];  // sum(dz * xhat)
         const float g = gamma != nullptr ? gamma[c] : 1.f;
         if (dgamma != nullptr) dgamma[c] = dzx;
         if (dbeta != nullptr) dbeta[c] = total;
@@ -229,18 +270,18 @@ __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_bwd_reduce(const T* _
 
 // The conv output's per-channel sum and sum of squares in a fixed order, for deterministic mode: cuDNN's
 // genstats adds its blocks' sums in no fixed order (bit-different statistics call to call, measured on an
-// H200 with deterministic plans). Same chunks and phases as bn_bwd_reduce; phase 1 writes sum, sq_sum.
+// H200 with deterministic plans). Same chunks and counters as bn_bwd_reduce; the last block writes sum, sq_sum.
 template <typename T, int RV>
 __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_stats(const T* __restrict__ y, float* __restrict__ partials,
                                                                 float* __restrict__ sum, float* __restrict__ sq_sum,
-                                                                long long rows, int C, long long chunk_rows,
-                                                                long long chunks, int phase) {
+                                                                unsigned int* __restrict__ counters, long long rows,
+                                                                int C, long long chunk_rows, long long chunks) {
     __shared__ float lanes[2][ROWS_LANES][TILE * RV + 1];
     const int c0 = (blockIdx.x * TILE + threadIdx.x) * RV;
     float s1[RV], s2[RV];
 #pragma unroll
     for (int j = 0; j < RV; ++j) s1[j] = s2[j] = 0.f;
-    if (c0 < C && phase == 0) {
+    if (c0 < C) {
         const long long r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
 #pragma unroll 4
         for (long long r = r0 + threadIdx.y; r < r1; r += ROWS_LANES) {
@@ -249,37 +290,13 @@ __global__ void __launch_bounds__(TILE * ROWS_LANES, 2) bn_stats(const T* __rest
 #pragma unroll
             for (int j = 0; j < RV; ++j) { s1[j] += v[j]; s2[j] += v[j] * v[j]; }
         }
-    } else if (c0 < C) {
-#pragma unroll 8
-        for (long long k = threadIdx.y; k < chunks; k += ROWS_LANES) {
-#pragma unroll
-            for (int j = 0; j < RV; ++j) {
-                s1[j] += partials[(2 * k) * C + c0 + j];
-                s2[j] += partials[(2 * k + 1) * C + c0 + j];
-            }
-        }
     }
-#pragma unroll
-    for (int j = 0; j < RV; ++j) {
-        lanes[0][threadIdx.y][threadIdx.x * RV + j] = s1[j];
-        lanes[1][threadIdx.y][threadIdx.x * RV + j] = s2[j];
-    }
-    __syncthreads();
+    if (!last_block_totals<RV>(lanes, s1, s2, partials, counters, C, c0, chunks)) return;
     if (threadIdx.y != 0 || c0 >= C) return;
 #pragma unroll
     for (int j = 0; j < RV; ++j) {
-        float a = 0.f, b = 0.f;
-        for (int l = 0; l < ROWS_LANES; ++l) {
-            a += lanes[0][l][threadIdx.x * RV + j];
-            b += lanes[1][l][threadIdx.x * RV + j];
-        }
-        if (phase == 0) {
-            partials[(2 * blockIdx.y) * C + c0 + j] = a;
-            partials[(2 * blockIdx.y + 1) * C + c0 + j] = b;
-        } else {
-            sum[c0 + j] = a;
-            sq_sum[c0 + j] = b;
-        }
+        sum[c0 + j] = s1[j];
+        sq_sum[c0 + j] = s2[j];
     }
 }
 

@@ -109,24 +109,19 @@ class BatchNormKernels:
         self._finalize = _Launch(fns["finalize"], 1, BLOCK, self._finalize_args, device)
         self._apply_args = [*_ptrs(7), i64(n), i32(c), i32(0), i32(1)]
         self._apply = _Launch(fns[f"apply{vec}"], grid, BLOCK, self._apply_args, device)
-        red = [i64(rows), i32(c), i64(chunk), i64(self.chunks), i32(1)]
-        self._reduce_args = ([*_ptrs(12), *red, i32(0)], [*_ptrs(12), *red, i32(1)])
-        reduce = fns[f"reduce{rv}"]
-        self._reduce = (_Launch(reduce, (tiles, self.chunks), (TILE, LANES), self._reduce_args[0], device),
-                        _Launch(reduce, tiles, (TILE, LANES), self._reduce_args[1], device))
-        stats = fns[f"stats{rv}"]
-        common = [i64(rows), i32(c), i64(chunk), i64(self.chunks)]
-        self._stats_args = ([*_ptrs(4), *common, i32(0)], [*_ptrs(4), *common, i32(1)])
-        self._stats = (_Launch(stats, (tiles, self.chunks), (TILE, LANES), self._stats_args[0], device),
-                       _Launch(stats, tiles, (TILE, LANES), self._stats_args[1], device))
+        self.tiles = tiles  # counters a reduction needs (one per tile, zero between launches)
+        red = [i64(rows), i32(c), i64(chunk), i64(self.chunks)]
+        self._reduce_args = [*_ptrs(13), *red, i32(1)]
+        self._reduce = _Launch(fns[f"reduce{rv}"], (tiles, self.chunks), (TILE, LANES), self._reduce_args, device)
+        self._stats = _Launch(fns[f"stats{rv}"], (tiles, self.chunks), (TILE, LANES), [*_ptrs(5), *red], device)
         self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
         self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
 
-    def stats(self, stream: int, *, y: int, partials: int, sum: int, sq_sum: int) -> None:
+    def stats(self, stream: int, *, y: int, partials: int, sum: int, sq_sum: int, counters: int) -> None:
         """The per-channel sum and sum of squares of y in a fixed order (deterministic); `partials` holds
-        `partials_bytes`."""
-        self._stats[0](stream, y, partials, sum, sq_sum)
-        self._stats[1](stream, y, partials, sum, sq_sum)
+        `partials_bytes`, `counters` `tiles` zeroed uint32 that the launch leaves zeroed (one launch at a
+        time per counters)."""
+        self._stats(stream, y, partials, sum, sq_sum, counters)
 
     def finalize(self, stream: int, *, sum: int, sq_sum: int, gamma: int, beta: int, running_mean: int,
                  running_var: int, num_batches: int, scale: int, shift: int, mean: int, invstd: int,
@@ -146,17 +141,14 @@ class BatchNormKernels:
         self._apply(stream, y, scale, shift, residual, scale2, shift2, out)
 
     def backward(self, stream: int, *, da: int, y: int, out: int, scale: int, shift: int, gamma: int, mean: int,
-                 invstd: int, partials: int, coef: int, dgamma: int, dbeta: int, dy: int, relu: bool,
+                 invstd: int, partials: int, coef: int, dgamma: int, dbeta: int, dy: int, relu: bool, counters: int,
                  dz: int = NULL) -> None:
         """dy (and dgamma, dbeta) from da, the gradient of the stage's activation. The relu's mask comes
         from `out` (the stored activation) where given, else from y * scale + shift. `partials` holds
         `partials_bytes`, `coef` 3 * channels float32; `dz` receives the gradient before the BatchNorm
-        (a residual input's gradient) where given."""
-        for args in self._reduce_args:
-            args[-2].value = int(relu)
-        ptrs = (da, y, out, scale, shift, gamma, mean, invstd, partials, dgamma, dbeta, coef)
-        self._reduce[0](stream, *ptrs)
-        self._reduce[1](stream, *ptrs)
+        (a residual input's gradient) where given; `counters` as for `stats`."""
+        self._reduce_args[-1].value = int(relu)
+        self._reduce(stream, da, y, out, scale, shift, gamma, mean, invstd, partials, dgamma, dbeta, coef, counters)
         self._bwd_args[-1].value = int(relu)
         self._bwd_apply(stream, da, y, out, scale, shift, mean, coef, dy, dz)
 

@@ -254,6 +254,13 @@ class _Program:
             total += plan.bwd_bytes
         self.bwd_bytes = total
         self.dgb_offsets = [sum(2 * p.k for p in plans[:i]) for i in range(k)]
+        # The reductions' counters, per stage one per tile for the statistics and one for the backward: zeroed
+        # once here, left zeroed by each launch (a program runs one call at a time on its stream)
+        tiles = [p.bn.tiles for p in plans]
+        self.counters = torch.zeros(2 * sum(tiles), dtype=torch.int32, device=f"cuda:{device}")
+        base = self.counters.data_ptr()
+        self.stats_counters = [base + 4 * 2 * sum(tiles[:i]) for i in range(k)]
+        self.bwd_counters = [c + 4 * t for c, t in zip(self.stats_counters, tiles)]
         self.dgb_numel = sum(2 * p.k for p in plans)
         self._preps: dict[tuple, _Prepared] = {}
         self._streams: dict[int, int] = {}  # thread -> the stream its current call replays on
@@ -289,7 +296,7 @@ class _Program:
             self._prep(plan.fwd, stream)(conv)
             if plan.own_stats:
                 plan.bn.stats(stream, y=buf, partials=buf + plan.stats_partials, sum=buf + plan.sum,
-                              sq_sum=buf + plan.sq_sum)
+                              sq_sum=buf + plan.sq_sum, counters=self.stats_counters[i])
             plan.bn.finalize(stream, sum=buf + plan.sum, sq_sum=buf + plan.sq_sum, gamma=gamma, beta=beta,
                              running_mean=rm, running_var=rv, num_batches=nbt, scale=buf + plan.scale,
                              shift=buf + plan.shift, mean=buf + plan.mean, invstd=buf + plan.invstd,
@@ -313,7 +320,8 @@ class _Program:
                              scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
                              invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
                              dgamma=d_gb if gamma else 0, dbeta=d_gb + 4 * plan.k if gamma else 0, dy=sb,
-                             relu=self.final_relu if last else True, dz=dz if last else 0)
+                             relu=self.final_relu if last else True, counters=self.bwd_counters[i],
+                             dz=dz if last else 0)
             w16 = buf + plan.w16 if self.cast[i] else w
             dw_out = sb + plan.dw16 if self.cast[i] else dw
             if i == 0:
