@@ -304,9 +304,15 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport)
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
 
 
+def _chains_run() -> bool:
+    """Whether fused runs may serve this call: not while torch.compile traces (it traces the modules'
+    registered ops; a run's planning is Python it cannot trace), not with torch's cuDNN disabled."""
+    return not torch.compiler.is_compiling() and torch._C._get_cudnn_enabled()  # dynamo can't trace the getter
+
+
 def _chained_block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """torchvision's block, its body one fused node in training (its own forward in eval)."""
-    if not self.training:
+    if not self.training or not _chains_run():
         return type(self).forward(self, x)
     identity = x if self.downsample is None else self.downsample(x)
     return self._cudnn_graphs_chain(x, identity)
@@ -338,7 +344,7 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
 
 
 def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not self.training:
+    if not self.training or not _chains_run():
         return nn.Sequential.forward(self, x)
     for step in self._cudnn_graphs_steps:
         x = step(x) if isinstance(step, Chain) else self._modules[step](x)
