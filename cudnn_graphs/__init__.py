@@ -7,9 +7,9 @@ plan -> cache -> execute.
 from ._version import __version__
 from .api import conv_bwd_data, conv_bwd_filter, conv_fwd, default_session, run
 from .environment import Environment, environment
-from .errors import (BufferMismatchError, ConfigError, CudaDriverError, CudnnBackendError, CudnnGraphsError,
-                     FrontendMissingError, GraphCaptureError, KernelCompileError, NoGpuError, ShapeError, SpecError,
-                     TargetEnvError, UnsupportedGraphError)
+from .errors import (BufferMismatchError, CaptureError, ConfigError, CudaDriverError, CudnnBackendError,
+                     CudnnGraphsError, FrontendMissingError, GraphCaptureError, KernelCompileError, NoGpuError,
+                     ShapeError, SpecError, TargetEnvError, UnsupportedGraphError)
 from .graph import GraphBuild, GraphPart, build_graph
 from .plan import Plan, Session
 from .recording import record
@@ -19,7 +19,7 @@ from .spec import (ACTIVATIONS, Activation, ConvBwdDataSpec, ConvBwdFilterSpec, 
                    spec_from_dict)
 
 __all__ = [
-    "ACTIVATIONS", "Activation", "BufferMismatchError", "ConfigError", "ConvBwdDataRequest", "ConvBwdDataSpec",
+    "ACTIVATIONS", "Activation", "BufferMismatchError", "CaptureError", "ConfigError", "ConvBwdDataRequest", "ConvBwdDataSpec",
     "ConvBwdFilterRequest", "ConvBwdFilterSpec", "ConvFwdRequest", "ConvFwdSpec", "CudaDriverError",
     "CudnnBackendError", "CudnnGraphsError", "Environment", "FrontendMissingError", "GraphBuild", "GraphCaptureError",
     "GraphPart", "KernelCompileError", "NoGpuError", "Plan", "Session", "ShapeError", "SpecError", "TargetEnvError",

@@ -12,7 +12,7 @@ from typing import Any
 from gpu_launch.errors import (BufferMismatchError, CudaDriverError, CudnnGraphsError, KernelCompileError,
                                SpecError, shown)
 
-__all__ = ["BufferMismatchError", "ConfigError", "CudaDriverError", "CudnnBackendError", "CudnnGraphsError",
+__all__ = ["BufferMismatchError", "CaptureError", "ConfigError", "CudaDriverError", "CudnnBackendError", "CudnnGraphsError",
            "FrontendMissingError", "GraphCaptureError", "KernelCompileError", "NoGpuError", "ShapeError",
            "SpecError", "TargetEnvError", "UnsupportedGraphError", "shown"]
 
@@ -96,3 +96,14 @@ class GraphCaptureError(CudnnGraphsError):
         self.engines = tuple(engines)
         self.cause = cause
         super().__init__(f"CUDA-graph capture of {type(spec).__name__} (engines {list(engines)}) failed: {cause}")
+
+
+class CaptureError(CudnnGraphsError, ValueError):
+    """A model or its inputs cannot be captured into a CUDA graph (`cudnn_graphs.torch.capture`): names
+    what (an argument, a parameter or buffer, a module by its path in the model) and why."""
+
+    def __init__(self, field: str, value: Any, reason: str):
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"cannot capture {field}={shown(value)}: {reason}")

@@ -1,5 +1,6 @@
 """Drop-in PyTorch modules and functions: convolutions on this library's cuDNN plans (`Conv2d` ...),
-and the fallback kernels (`grid_sample`, `LinearAct`, `MLP` on cuBLASLt).
+`convert(model)`, `capture(model, sample_args)` (forward and backward as CUDA graphs), and the fallback
+kernels (`grid_sample`, `LinearAct`, `MLP` on cuBLASLt).
 
 `import cudnn_graphs.torch` needs torch; the names below load on first use.
 """
@@ -11,6 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "convert": "_convert", "ConversionReport": "_convert",
+    "capture": "_capture", "Captured": "_capture",
     "conv1d": "_conv", "conv2d": "_conv", "conv3d": "_conv", "Conv1d": "_conv", "Conv2d": "_conv", "Conv3d": "_conv",
     "grid_sample": "_grid_sample",
     "GridSample": "_grid_sample",

@@ -11,9 +11,12 @@ capture them (no synchronisation; memory from torch's caching allocator; torch's
 
 `padding` is flat (pre, post) per spatial dim. At run time the ops follow torch's flags:
 `torch.backends.cudnn.allow_tf32` (float32 on tensor cores), `torch.use_deterministic_algorithms` /
-`torch.backends.cudnn.deterministic` (a deterministic session). CPU tensors, empty tensors and
-graphs cuDNN declines run through torch's own convolution, so a module never fails where torch's
-would work. Backward: the activation's derivative is taken from the saved output (relu, leaky_relu,
+`torch.backends.cudnn.deterministic` (deterministic plans only), `torch.backends.cudnn.benchmark`
+(a geometry first seen is autotuned: every candidate plan timed once, the winner kept in the plan
+cache, so later processes and machines sharing the cache reuse it instead of timing again; off, plans
+come from cuDNN's heuristics or $CUDNN_GRAPHS_POLICY) and `torch.backends.cudnn.enabled` (off: torch's
+own convolution, which then takes its non-cuDNN path). CPU tensors, empty tensors and graphs cuDNN
+declines run through torch's own convolution, so a module never fails where torch's would work. Backward: the activation's derivative is taken from the saved output (relu, leaky_relu,
 elu, sigmoid, tanh); activations whose derivative needs the pre-activation (gelu, silu, softplus)
 run unfused when a gradient is needed (the conv+bias+residual fused, the activation in torch).
 """
@@ -121,25 +124,34 @@ def _check_fwd_shapes(x, w, bias, z, stride, padding, dilation, groups) -> None:
 # -- when torch's own convolution serves ---------------------------------------------------------------
 
 def _ours(*tensors: torch.Tensor | None) -> bool:
-    """CUDA tensors of one supported dtype, none empty: what our plans take."""
+    """CUDA tensors of one supported dtype, none empty, with torch's cuDNN enabled: what our plans take."""
     first = tensors[0]
-    return (first.is_cuda and first.dtype in _DTYPES and first.numel() > 0
+    return (first.is_cuda and first.dtype in _DTYPES and first.numel() > 0 and torch._C._get_cudnn_enabled()
             and all(t is None or (t.is_cuda and t.dtype == first.dtype and t.numel() > 0) for t in tensors[1:]))
 
 
-def _session(device: int):
+def _session(device: int, *, benchmark: bool | None = None):
+    """The session torch's flags ask for: None (the device's default session) unless
+    `torch.backends.cudnn.benchmark` (plans autotuned once, kept in the plan cache) or determinism
+    (`torch.use_deterministic_algorithms`, `cudnn.deterministic`: deterministic plans only) is on.
+    `benchmark` overrides torch's flag."""
     # torch's own getters: the torch.backends attributes cost ~1 us each, on every call
-    if not (torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic()):
-        return None  # the default session of the device
-    from ..plan.session import Session
-
-    session = _DETERMINISTIC.get(device)
+    deterministic = torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic()
+    benchmark = torch._C._get_cudnn_benchmark() if benchmark is None else benchmark
+    if not (deterministic or benchmark):
+        return None
+    key = (device, deterministic, benchmark)
+    session = _SESSIONS.get(key)
     if session is None:
-        session = _DETERMINISTIC.setdefault(device, Session(device=device, deterministic=True))
+        from ..plan.session import Session
+
+        # benchmark off: the configured policy ($CUDNN_GRAPHS_POLICY), as the default session's
+        session = _SESSIONS.setdefault(key, Session(device=device, deterministic=deterministic,
+                                                    policy="autotune" if benchmark else None))
     return session
 
 
-_DETERMINISTIC: dict[int, Any] = {}
+_SESSIONS: dict[tuple, Any] = {}  # (device, deterministic, benchmark) -> the session for those flags
 _declined: set = set()
 
 
@@ -408,10 +420,13 @@ class _Memo(dict):
         return entry
 
 
-def _flags() -> tuple[bool, bool]:
+def _flags() -> tuple[bool, bool, bool, bool]:
+    """torch's flags a prepared call depends on: TF32, determinism, cuDNN benchmark (autotuned plans),
+    cuDNN enabled (else torch's own convolution)."""
     # torch's own getters: the torch.backends attributes cost ~1 us each, on every call
     return (torch._C._get_cudnn_allow_tf32(),
-            torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic())
+            torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic(),
+            torch._C._get_cudnn_benchmark(), torch._C._get_cudnn_enabled())
 
 
 def _geometry(t: torch.Tensor | None) -> tuple | None:
@@ -421,11 +436,17 @@ def _geometry(t: torch.Tensor | None) -> tuple | None:
 def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
               what: str) -> Any:
     """The memo entry for a new key: the library's call (planned, buffers checked) where every tensor is
-    a packed CUDA tensor of a supported dtype, else the general path, or torch's conv where cuDNN declines."""
+    a packed CUDA tensor of a supported dtype, else the general path, or torch's conv where cuDNN declines
+    or torch's cuDNN is disabled."""
+    if not torch._C._get_cudnn_enabled():  # torch.backends.cudnn.enabled = False: torch's non-cuDNN path
+        return memo.remember(key, _TORCH)
     if not (packed and _ours(*(t for t in objs if t is not None))):
         return memo.remember(key, _SLOW)
     device = objs[0].get_device()
     session = _session(device)
+    tuning_in_capture = session is not None and session.policy == "autotune" and torch.cuda.is_current_stream_capturing()
+    if tuning_in_capture:  # timing synchronises, which a capture cannot hold: heuristics now, tuned eagerly later
+        session = _session(device, benchmark=False)
     if session is None:
         session = default_session(device)
     try:
@@ -433,7 +454,7 @@ def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, ex
     except UnsupportedGraphError as err:
         _declined_once(what, err)
         return memo.remember(key, _TORCH)
-    return memo.remember(key, call)
+    return call if tuning_in_capture else memo.remember(key, call)
 
 
 def _launch(call, ptrs: tuple, device: int) -> list:

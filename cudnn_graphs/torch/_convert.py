@@ -49,6 +49,7 @@ class ConversionReport:
     fused_residual: list[str] = field(default_factory=list)  # blocks whose add + relu the last conv does
     weights: str = "shared"  # or "copied" where BatchNorm was folded into new weight and bias tensors
     chains: list[tuple[str, Chain]] = field(default_factory=list)  # training: (where, conv-BatchNorm run)
+    inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
 
     def __str__(self) -> str:
         lines = [f"{len(self.replaced)} convolutions converted (weights {self.weights})"]
@@ -65,7 +66,10 @@ class ConversionReport:
 def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool = True) -> nn.Module:
     """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`.
 
-    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each."""
+    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each. A converted
+    model converted again is returned as it is. Training conversion keeps torch's state_dict keys and
+    Parameter objects: checkpoints load both ways (strict) and optimizers made before keep stepping it.
+    Inference conversion folds BatchNorm into new weights: load a torch checkpoint before converting."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(fuse_batchnorm, bool):
@@ -73,9 +77,9 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
     if inference and model.training:
         raise ValueError("convert(inference=True) folds BatchNorm running statistics: call model.eval() first")
     existing = getattr(model, "cudnn_graphs_report", None)
-    if isinstance(existing, ConversionReport) and not inference:
-        return model  # converted already: its convs are ours and its runs chained
-    report = ConversionReport()
+    if isinstance(existing, ConversionReport) and (existing.inference or not inference):
+        return model  # converted already: its convs are ours, its runs chained or its BatchNorm folded
+    report = ConversionReport(inference=inference)
     if inference:
         _fuse(model, report)
     _replace(model, "", report)
@@ -300,9 +304,15 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport)
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
 
 
+def _chains_run() -> bool:
+    """Whether fused runs may serve this call: not while torch.compile traces (it traces the modules'
+    registered ops; a run's planning is Python it cannot trace), not with torch's cuDNN disabled."""
+    return not torch.compiler.is_compiling() and torch._C._get_cudnn_enabled()  # dynamo can't trace the getter
+
+
 def _chained_block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """torchvision's block, its body one fused node in training (its own forward in eval)."""
-    if not self.training:
+    if not self.training or not _chains_run():
         return type(self).forward(self, x)
     identity = x if self.downsample is None else self.downsample(x)
     return self._cudnn_graphs_chain(x, identity)
@@ -341,7 +351,7 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
 
 
 def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not self.training:
+    if not self.training or not _chains_run():
         return nn.Sequential.forward(self, x)
     for step in self._cudnn_graphs_steps:
         x = step(x) if isinstance(step, Chain) else self._modules[step](x)
