@@ -161,6 +161,7 @@ class Chain:
         # everything a program bakes in: shapes, dtypes, flags, and each BatchNorm's constants
         key = (x.shape, x.dtype, dtype, x.get_device(), None if residual is None else (residual.shape, residual.dtype),
                torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic(),
+               torch._C._get_cudnn_benchmark(),  # True: the plans come from an autotuning session
                tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.stages]))
         program = self._plans.get(key, 0)
         if program == 0:
