@@ -82,22 +82,23 @@ def test_cudnn_disabled_runs_torchs_convolution_and_enabling_it_plans_again():
         assert _planned() > before, "enabled again, the layer kept torch's path"
 
 
-@pytest.mark.parametrize("benchmark", [False, True], ids=["heuristics", "autotune"])
-def test_deterministic_flag_gives_deterministic_plans_and_repeatable_gradients(benchmark):
+# not "benchmark": pytest-benchmark (on the GPU host) owns a fixture of that name
+@pytest.mark.parametrize("tune", [False, True], ids=["heuristics", "autotune"])
+def test_deterministic_flag_gives_deterministic_plans_and_repeatable_gradients(tune):
     torch.manual_seed(1)
     fmt = torch.channels_last
     conv = cgt.Conv2d(32, 32, 3, padding=1).to("cuda", torch.float16).to(memory_format=fmt)
     x = torch.randn(64, 32, 28, 28, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
     dy = torch.randn(64, 32, 28, 28, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
     grads = []
-    with torch.backends.cudnn.flags(enabled=True, benchmark=benchmark, deterministic=True):
+    with torch.backends.cudnn.flags(enabled=True, benchmark=tune, deterministic=True):
         session = _conv._session(0)
         for _ in range(3):
             conv.weight.grad = conv.bias.grad = None
             xi = x.clone().requires_grad_()
             conv(xi).backward(dy)  # wgrad is where nondeterministic (split-K, atomics) engines live
             grads.append((conv.weight.grad.clone(), conv.bias.grad.clone(), xi.grad.clone()))
-    assert session.deterministic and session.policy == ("autotune" if benchmark else "heuristic")
+    assert session.deterministic and session.policy == ("autotune" if tune else "heuristic")
     plans = list(session._memory.values())
     assert len(plans) >= 3 and all(plan.deterministic for plan in plans), [p.engines for p in plans]
     for again in grads[1:]:
