@@ -149,6 +149,9 @@ def _compiled_run(model, batches, *, mode):
     return losses, explained, dict(torch._dynamo.utils.counters["inductor"])
 
 
+@pytest.mark.xfail(strict=True, reason="known, issue 38: a plan's per-stream workspace is allocated at its first call on "
+                   "inductor's capture stream, from the cudagraph pool, and the plan keeps it: 'tensors in the "
+                   "cudagraph pool not tracked as outputs' (H200, torch 2.11)")
 def test_reduce_overhead_compiles_converted_models_whole():
     fmt = torch.channels_last
     eager, model = _models(fmt)
