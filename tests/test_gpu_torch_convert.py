@@ -53,7 +53,7 @@ def test_converted_resnet_trains_like_torch():
     # BatchNorm normalises with float16 scale / shift (docs/training.md#numerics): its BatchNorm parameter
     # gradients carry ~1e-2 against float64 where torch's carry ~3e-3, and this one-batch fit takes a large
     # first step, so step 2's loss moved 3.4% from float32's where torch's AMP moved 0.6% (2xH200 run);
-    # later steps agree to 1%.
+    # later losses agree within 0.011.
     for ours_, amp_, ref_ in zip(losses["ours"], losses["torch"], losses["float32"]):
         assert abs(ours_ - ref_) < 2 * abs(amp_ - ref_) + 0.05 * max(1.0, abs(ref_)), losses
 
