@@ -223,18 +223,11 @@ def test_ls_and_stats_list_a_root_owned_system_tier_for_another_user():
     import contextlib
     import io
     import shutil
-    import tempfile
 
-    from .test_plan_cache_hardening import _as_nobody
+    from .test_plan_cache_hardening import _as_nobody, system_tier
 
-    tier = tempfile.mkdtemp(prefix="system-tier-")  # under /tmp: the test's own tmp_path is root's alone
+    tier = system_tier(make_record())
     try:
-        assert PlanStore(tier).put(make_record())
-        for directory, _, files in os.walk(tier):  # as a team installs it: readable by all, writable by root
-            os.chmod(directory, 0o755)
-            for name in files:
-                os.chmod(os.path.join(directory, name), 0o644)
-
         def look():
             out = {}
             for command in ("ls", "stats"):

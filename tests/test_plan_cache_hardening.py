@@ -280,16 +280,22 @@ def _as_nobody(fn):
     return json.loads(data)
 
 
+def system_tier(record) -> str:
+    """A root-owned tier holding `record`, as a team installs one: readable by all, writable by root alone.
+    Under /tmp (a test's own tmp_path is root's alone); the caller removes it."""
+    root = tempfile.mkdtemp(prefix="system-tier-")
+    assert PlanStore(root).put(record)
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
+    return root
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="a root-owned tier read by another uid")
 def test_a_root_owned_system_tier_lists_what_it_serves(tmp_path):
-    root = tempfile.mkdtemp(prefix="system-tier-")  # under /tmp: the test's own tmp_path is root's alone
+    root = system_tier(_record())
     try:
-        assert PlanStore(root).put(_record())
-        for directory, dirs, files in os.walk(root):  # as a team installs it: readable by all, writable by root
-            os.chmod(directory, 0o755)
-            for name in files:
-                os.chmod(os.path.join(directory, name), 0o644)
-
         def look():
             seen = []
             handler = logging.Handler()
