@@ -2,7 +2,7 @@
 
 `BatchNormKernels(rows, channels, dtype, device)` prepares, once per geometry, every launch a
 conv -> BatchNorm (-> ReLU) stage needs; each launch then takes its pointers (ints) and a stream and
-queues one kernel (two for the reduction), nothing else: no allocation, no check, no synchronisation.
+queues one kernel, nothing else: no allocation, no check, no synchronisation.
 `Cast` casts up to four same-layout tensors between float32 and float16 in one launch.
 Tensors are channels-last and dense: `rows` = N * spatial, `channels` = C; per-channel float32 buffers
 (statistics, gamma, beta, running statistics, mean, 1/std, gradients) and io-dtype scale / shift.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
 
 from gpu_launch import driver
 
@@ -27,7 +26,7 @@ BLOCK = 256
 MAX_BLOCKS = 132 * 8  # grid-stride loops: a few waves of an H100's SMs cover any size
 TILE, LANES = 32, 16  # the reduction's block: TILE threads (of 1-2 channels) x LANES row lanes (batchnorm.cu)
 REDUCE_BLOCKS = 1056  # reduction blocks to aim for: 4 waves of two 512-thread blocks on 132 SMs
-MIN_CHUNK_ROWS = 128  # fewer rows a block and the partials' second pass costs more than it saves
+MIN_CHUNK_ROWS = 128  # fewer rows a block and summing the partials costs more than it saves
 
 
 def chunk_rows(rows: int, tiles: int) -> int:

@@ -1,12 +1,12 @@
 """conv -> BatchNorm -> ReLU runs in training as one autograd node on cuDNN's BatchNorm fusions.
 
 A run is stages conv_i -> BatchNorm_i -> ReLU_i (every stage but the last has its ReLU), ending in
-[ReLU](BatchNorm_k(conv_k(...)) [+ residual]): torchvision's Bottleneck and BasicBlock bodies, a
-Sequential of Conv2dNormActivation. Forward, per stage: one cuDNN graph runs the conv and sums its
+[ReLU](BatchNorm_k(conv_k(...)) [+ residual]): torchvision's Bottleneck and BasicBlock bodies, or two or
+more conv, BatchNorm2d, ReLU slot groups of an nn.Sequential (`_convert.py` finds them). Forward, per stage: one cuDNN graph runs the conv and sums its
 output per channel (`stats`), reading the previous stage's raw conv output through a
 relu(y * scale + shift) prologue, so no normalised activation is written; a one-block kernel turns the
 sums into mean, 1/std, scale, shift and the running statistics. One pass writes the run's output.
-Backward, per stage: a two-launch reduction and one elementwise pass give dy, dgamma, dbeta; cuDNN's
+Backward, per stage: a one-launch, fixed-order reduction and one elementwise pass give dy, dgamma, dbeta; cuDNN's
 dgrad, and its wgrad with the same prologue on its input. From its second call, a run's forward and its
 backward each replay as one re-pointed CUDA graph. Deterministic mode (`torch.use_deterministic_algorithms`,
 `cudnn.deterministic`) sums the statistics with our own fixed-order kernel: cuDNN's genstats does not
@@ -189,7 +189,7 @@ class Chain:
         if why is not None:
             log.info("cudnn_graphs: a conv-BatchNorm run of %s runs unfused: %s", tuple(x.shape), why)
             return None
-        return _Program(self, plans, x.get_device(), residual is not None)
+        return _Program(self, plans, x.get_device())
 
 
 def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
@@ -237,8 +237,8 @@ class _Program:
     from its second call (`gpu_launch.replay.Replay`): a launch and a few pointer patches instead of a
     launch per kernel. Constants (eps, momentum, flags) are in the key that chose this program."""
 
-    def __init__(self, chain: Chain, plans: list, device: int, residual: bool):
-        self.plans, self.device, self.residual = plans, device, residual
+    def __init__(self, chain: Chain, plans: list, device: int):
+        self.plans, self.device = plans, device
         self.final_relu = chain.final_relu
         bns = [st.bn for st in chain.stages]
         self.eps = [float(bn.eps) for bn in bns]
