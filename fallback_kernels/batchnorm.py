@@ -19,9 +19,9 @@ import functools
 from gpu_launch import driver
 
 from . import compile as _compile
+from .types import ITEMSIZE, SIXTEEN_AND_32, STORAGE
 
-CTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+CTYPES = {dtype: STORAGE[dtype] for dtype in SIXTEEN_AND_32}
 BLOCK = 256
 MAX_BLOCKS = 132 * 8  # grid-stride loops: a few waves of an H100's SMs cover any size
 TILE, LANES = 32, 16  # the reduction's block: TILE threads (of 1-2 channels) x LANES row lanes (batchnorm.cu)

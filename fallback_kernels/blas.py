@@ -12,9 +12,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .types import ITEMSIZE as _ITEMSIZE
+
 # cudaDataType_t and cublasComputeType_t / cublasMath_t values (library_types.h, cublas_api.h).
 CUDA_DTYPES = {"float16": 2, "bfloat16": 14, "float32": 0}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+ITEMSIZE = {dtype: _ITEMSIZE[dtype] for dtype in CUDA_DTYPES}
 COMPUTE_32F, COMPUTE_32F_PEDANTIC, COMPUTE_32F_FAST_TF32 = 68, 69, 77
 TF32_TENSOR_OP_MATH = 3
 OP_N, OP_T = 0, 1

@@ -11,11 +11,9 @@ from gpu_launch import driver
 from gpu_launch.activations import ACTIVATIONS
 
 from . import compile as _compile
+from .types import CTYPES
 
 ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order matches the enum in epilogue.cu
-# io dtype -> (C++ storage type, math type)
-CTYPES = {"float16": ("half_t", "float"), "bfloat16": ("bf16_t", "float"), "float32": ("float", "float"),
-          "float64": ("double", "double")}
 KERNELS = ("epilogue_fwd", "epilogue_fwd_dense", "epilogue_act_backward")
 OPTIONS = _compile.BASE_OPTIONS
 BLOCK = 256

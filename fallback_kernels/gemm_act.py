@@ -54,13 +54,14 @@ from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, exte
 from . import blas, cublaslt
 from . import compile as _compile
 from .blas import Mat
+from .types import SIXTEEN_AND_32, STORAGE
 
 ACT_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}  # order matches the enum in gemm_act.cu
 MASK_ACTS = ("leaky_relu",)  # its derivative needs only the sign of pre: 1 bit per element
 # relu's backward reads y itself (y > 0 where pre > 0), as torch's threshold_backward does: no aux buffer, and
 # the forward is one GEMM with cuBLASLt's RELU_BIAS epilogue.
 AUX_IS_Y = ("relu",)
-CTYPES = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float"}
+CTYPES = {dtype: STORAGE[dtype] for dtype in SIXTEEN_AND_32}
 VEC = {"float16": 8, "bfloat16": 8, "float32": 4}  # elements per 16-byte access
 ITEMSIZE = blas.ITEMSIZE
 AUX_NONE, AUX_MASK, AUX_PRE = 0, 1, 2

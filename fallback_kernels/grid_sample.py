@@ -56,15 +56,12 @@ from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, exte
                                 torch_allocator)
 
 from . import compile as _compile
+from .types import CTYPES, DTYPE_OF, ITEMSIZE
 
 MODES = ("bilinear", "nearest", "bicubic")  # order matches the MODE_* enum in grid_sample.cu (and ATen's)
 PADDINGS = ("zeros", "border", "reflection")  # order matches PAD_*
 BILINEAR, NEAREST, BICUBIC = range(3)
-# io dtype -> (C++ storage type, math / accumulation type)
-CTYPES = {"float16": ("half_t", "float"), "bfloat16": ("bf16_t", "float"), "float32": ("float", "float"),
-          "float64": ("double", "double")}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-ACC_DTYPE = {"half_t": "float16", "bf16_t": "bfloat16", "float": "float32", "double": "float64"}
+ACC_DTYPE = DTYPE_OF  # a math type's dtype
 # struct Geo and struct Tr in grid_sample.cu, field for field (all int64)
 GEO_FIELDS = ("N", "C", "ID", "IH", "IW", "OD", "OH", "OW",
               "in_sN", "in_sC", "in_sD", "in_sH", "in_sW",
