@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from .warmup import RELEASE_EVERY, SpecSource, Summary, _plan_one, _progress, warmup_session
+from .warmup_plan import RELEASE_EVERY, SpecSource, Summary, plan_one, progress, warmup_session
 
 _RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
 
@@ -43,7 +43,7 @@ def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summ
     summary = Summary(by_device=dict.fromkeys(devices, 0))
     interrupted = False
     try:
-        for device, outcome in _progress(_results(results, workers, len(sources)), args, total=len(sources)):
+        for device, outcome in progress(_results(results, workers, len(sources)), args, total=len(sources)):
             if device >= 0:  # -1: lost with a worker that died
                 summary.by_device[device] += 1
             summary.add(*outcome)
@@ -130,7 +130,7 @@ def _worker(device: int, options: dict, tasks, results) -> None:
         if task is None:
             break
         _, where, data = task
-        outcome = _plan_one(session, SpecSource(where, spec_from_dict(data)))
+        outcome = plan_one(session, SpecSource(where, spec_from_dict(data)))
         results.put(("done", device, outcome))
         done += 1
         if done % RELEASE_EVERY == 0:

@@ -228,3 +228,25 @@ def test_devices_draw_the_largest_convolutions_first():
     dgrad = ConvBwdDataSpec((2, 64, 32, 32), (64, 64, 3, 3), (2, 64, 32, 32), padding=1)
     wgrad = ConvBwdFilterSpec((2, 64, 32, 32), (2, 64, 32, 32), (64, 64, 3, 3), padding=1)
     assert _work(large) == _work(dgrad) == _work(wgrad) > _work(small)
+
+
+def test_dry_run_lines_name_the_batchnorm_fusions():
+    """Specs that differ only in their prologue or statistics print different dry-run lines."""
+    from cudnn_graphs.warmup import describe_spec
+
+    plain = cg.ConvFwdSpec((8, 64, 16, 16), (32, 64, 3, 3), padding=1, dtype="float16", layout="NHWC")
+    lines = {describe_spec(s) for s in (plain, plain.replace(stats=True), plain.replace(prologue="scale_bias_relu"),
+                                         plain.replace(prologue="scale_bias_relu", stats=True))}
+    assert len(lines) == 4
+
+
+def test_the_warmup_modules_import_one_way():
+    """warmup and warmup_devices both build on warmup_plan; warmup_devices no longer imports warmup."""
+    import ast
+    import pathlib
+
+    import cudnn_graphs
+
+    src = pathlib.Path(cudnn_graphs.__file__).parent / "warmup_devices.py"
+    imported = {node.module for node in ast.walk(ast.parse(src.read_text())) if isinstance(node, ast.ImportFrom)}
+    assert "warmup" not in imported and "warmup_plan" in imported
