@@ -112,3 +112,28 @@ def test_inference_converted_blocks_pickle():
     ours = cgt.convert(copy.deepcopy(net), inference=True)
     assert ours.cudnn_graphs_report.fused_residual
     torch.testing.assert_close(pickle.loads(pickle.dumps(ours))(x), ours(x))
+
+
+def test_hooks_on_a_runs_modules_fire_and_keep_it_unfused():
+    """A hook on a conv, BatchNorm or ReLU inside a run (or a global module hook) would be passed by the fused
+    node: the run's modules compute instead, and every hook fires as in torch's model."""
+    net = cgt.convert(_net())
+    block = net[9]  # a Bottleneck: three stages, block.relu used after each
+    chain = block._cudnn_graphs_chain
+    assert not chain._hooked()
+    calls = []
+    handles = [block.conv2.register_forward_hook(lambda *a: calls.append("conv2")),
+               block.bn3.register_forward_pre_hook(lambda *a: calls.append("bn3")),
+               block.relu.register_forward_hook(lambda *a: calls.append("relu"))]
+    assert chain._hooked()
+    net(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    assert calls == ["relu", "conv2", "relu", "bn3", "relu"]  # in the order torchvision's forward calls them
+    for h in handles:
+        h.remove()
+    assert not chain._hooked()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert chain._hooked()
+    finally:
+        handle.remove()
+    assert not chain._hooked()

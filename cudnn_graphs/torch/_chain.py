@@ -47,11 +47,13 @@ _F32, _F16 = 4, 2
 
 @dataclass(frozen=True)
 class Stage:
-    """One conv -> BatchNorm [-> ReLU] of a run."""
+    """One conv -> BatchNorm [-> ReLU] of a run; `act` is the model's ReLU module where it has one (the
+    unfused path calls it, so that hooks on it fire)."""
 
     conv: nn.Conv2d
     bn: nn.BatchNorm2d
     relu: bool
+    act: nn.Module | None = None
 
 
 def _up(n: int) -> int:
@@ -118,20 +120,35 @@ class Chain:
         self._why: str | None = None  # why the last new geometry runs unfused
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        program = self._prepared(x, residual)
+        program = None if self._hooked() else self._prepared(x, residual)
         if program is None:
             return self.unfused(x, residual)
         return _ChainFunction.apply(self, program, x, residual, *self._params())
 
     def unfused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The run as its modules compute it."""
+        """The run as its modules compute it (their hooks fire)."""
         for st in self.stages[:-1]:
             x = st.bn(st.conv(x))
-            x = torch.relu(x) if st.relu else x
-        x = self.stages[-1].bn(self.stages[-1].conv(x))
+            x = (st.act or torch.relu)(x) if st.relu else x
+        last = self.stages[-1]
+        x = last.bn(last.conv(x))
         if residual is not None:
             x = x + residual
-        return torch.relu(x) if self.final_relu else x
+        return (last.act or torch.relu)(x) if self.final_relu else x
+
+    def _hooked(self) -> bool:
+        """Whether a hook watches a module of the run (the fused node would pass it by): then the modules
+        compute. Read per call, as hooks come and go; global module hooks count too."""
+        g = nn.modules.module
+        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks \
+                or g._global_backward_pre_hooks:
+            return True
+        for st in self.stages:
+            for m in (st.conv, st.bn, st.act):
+                if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                                      or m._backward_pre_hooks):
+                    return True
+        return False
 
     def status(self) -> str:
         """"fused", "not run yet", or why the last new geometry runs unfused."""

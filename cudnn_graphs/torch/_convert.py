@@ -298,7 +298,7 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport)
     pairs = [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in range(1, n + 1)]
     if not all(_conv_bn(c, b) for c, b in pairs):
         return
-    stages = [Stage(c, b, relu=True) for c, b in pairs]
+    stages = [Stage(c, b, relu=True, act=block.relu) for c, b in pairs]
     block._cudnn_graphs_chain = Chain(stages, final_relu=True)
     block.forward = _Forward(_chained_block_forward, block)
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
@@ -332,7 +332,8 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
         stages, start = [], i
         while i + 1 < len(names) and _conv_bn(seq._modules[names[i]], seq._modules[names[i + 1]]):
             relu = i + 2 < len(names) and type(seq._modules[names[i + 2]]) is nn.ReLU
-            stages.append(Stage(seq._modules[names[i]], seq._modules[names[i + 1]], relu=relu))
+            act = seq._modules[names[i + 2]] if relu else None
+            stages.append(Stage(seq._modules[names[i]], seq._modules[names[i + 1]], relu=relu, act=act))
             i += 3 if relu else 2
             if not relu:
                 break
