@@ -137,3 +137,23 @@ def test_hooks_on_a_runs_modules_fire_and_keep_it_unfused():
     finally:
         handle.remove()
     assert not chain._hooked()
+
+
+def test_torch_func_transforms_run_the_modules():
+    """torch.func.grad and functional_call through a converted model's replaced forwards give torch's gradients
+    (on a GPU the runs compute through their modules there: the fused node has no functorch rules)."""
+    net = _net()
+    for m in net.modules():  # BatchNorm without running statistics: torch.func cannot mutate buffers
+        if isinstance(m, nn.BatchNorm2d):
+            m.track_running_stats = False
+            m.running_mean = m.running_var = m.num_batches_tracked = None
+    ours = cgt.convert(copy.deepcopy(net))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+
+    def loss(model):
+        params = dict(model.named_parameters())
+        return torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).square().mean())(params)
+
+    got, want = loss(ours), loss(net)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name])

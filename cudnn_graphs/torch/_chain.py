@@ -120,7 +120,9 @@ class Chain:
         self._why: str | None = None  # why the last new geometry runs unfused
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        program = None if self._hooked() else self._prepared(x, residual)
+        # torch.func transforms (grad, vmap, jacrev ...) need rules our node does not have: the modules compute
+        unfused = self._hooked() or torch._C._are_functorch_transforms_active()
+        program = None if unfused else self._prepared(x, residual)
         if program is None:
             return self.unfused(x, residual)
         return _ChainFunction.apply(self, program, x, residual, *self._params())
@@ -426,6 +428,7 @@ class _ChainFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its kernels are not differentiable: a second order raises
     def backward(ctx, grad):
         program = ctx.program
         k = len(program.plans)
