@@ -30,7 +30,7 @@ SHAPES = [
     ("bf16-gelu-16384x768x3072", "bfloat16", "gelu", 16384, 768, 3072, 0.423, 0.140),
 ]
 # variants of ours: (label, chunks, side-stream priority). Row chunks with dA's GEMMs on a side stream were
-# measured slower than one pass on all three shapes (2026-11-21 H100 run, see tools/gemm_act_notes.md);
+# measured slower than one pass on all three shapes (2026-11-21 H100 run, see docs/kernels.md);
 # chunks=2 stays in the table as the evidence. Priorities are clamped to the device's range.
 VARIANTS = (("default", None, None), ("c2", 2, None))
 SLEEP_CYCLES = 8_000_000  # ~4 ms at ~1.9 GHz: longer than the host needs to queue `inner` calls

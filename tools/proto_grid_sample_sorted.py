@@ -4,7 +4,7 @@ Design D for the f16 fast backward. A sort kernel per (row group, n) builds a CS
 channel slice); a gather kernel per (channel slice, n) stages grad_output + input slices in shared
 memory, gathers grad_input per pixel from the CSR, and computes grad_grid partials per point.
 Variants: pixel ranges G, channels per slice CS, threads NT, entries in flight UNR, v2 = channel-interleaved
-16-byte chunks (gather8), reread = re-read the grid in the place phase. H100 numbers in tools/grid_sample_notes.md."""
+16-byte chunks (gather8), reread = re-read the grid in the place phase. H100 numbers in docs/kernels.md."""
 import os, sys
 import cupy, torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -544,8 +544,16 @@ class Session:
             return functools.partial(_run_keeping, run, tuple(ptrs.values()), trial.scalars)
 
         self.handles.on_stream(stream_ptr)
-        tuned = autotune.tune_part(g, buffers=make_buffers, make_call=make_call, limit=self.autotune_limit,
-                                   stream_ptr=stream_ptr)
+        try:
+            tuned = autotune.tune_part(g, buffers=make_buffers, make_call=make_call, limit=self.autotune_limit,
+                                       stream_ptr=stream_ptr)
+        finally:
+            # The scratch came from CuPy's pool, which keeps freed blocks: in a torch process (autotune under
+            # cudnn.benchmark) that memory would stay out of torch's reach for the process's life. Tuning
+            # has synchronised already, so giving the pool's free blocks back costs no extra wait.
+            owners.clear()
+            ws[0] = None
+            cupy.get_default_memory_pool().free_all_blocks()
         self._count("timings", sum(r.median_ms is not None for r in tuned.table))
         return tuned
 
