@@ -69,6 +69,10 @@ def test_training_convert_finds_runs_and_keeps_paths():
     assert list(net.state_dict()) == keys
     assert all(c.status() == "not run in training yet" for _, c in report.chains)
     assert "runs, each one fused node in training" in str(report)
+    why = dict(report.unchained)  # every conv -> BatchNorm pair left unfused, and why
+    assert set(why) == {"7", "10.downsample.0", "12.0", "13.0"}
+    assert "a run of 1 stage" in why["7"] and "bias" in why["12.0"]
+    assert "12.0: the conv has a bias" in str(report)
     assert cgt.convert(net) is net and net.cudnn_graphs_report is report  # converting again changes nothing
 
 

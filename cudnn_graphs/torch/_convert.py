@@ -49,6 +49,7 @@ class ConversionReport:
     fused_residual: list[str] = field(default_factory=list)  # blocks whose add + relu the last conv does
     weights: str = "shared"  # or "copied" where BatchNorm was folded into new weight and bias tensors
     chains: list[tuple[str, Chain]] = field(default_factory=list)  # training: (where, conv-BatchNorm run)
+    unchained: list[tuple[str, str]] = field(default_factory=list)  # training: (conv, why its BatchNorm stays)
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
 
     def __str__(self) -> str:
@@ -59,6 +60,9 @@ class ConversionReport:
         if self.chains:
             lines.append(f"{len(self.chains)} conv-BatchNorm-ReLU runs, each one fused node in training:")
             lines += [f"  {where} ({len(chain.stages)} convs): {chain.status()}" for where, chain in self.chains]
+        if self.unchained:
+            lines.append(f"{len(self.unchained)} conv -> BatchNorm pairs left unfused in training:")
+            lines += [f"  {where}: {why}" for where, why in self.unchained]
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -288,15 +292,31 @@ def _chain_batchnorm(model: nn.Module, report: ConversionReport) -> None:
 
 def _conv_bn(conv: nn.Module, bn: nn.Module) -> bool:
     """Our plain Conv2d (ungrouped, no bias or epilogue, zero padding) feeding a BatchNorm2d of its channels."""
-    return (isinstance(conv, Conv2d) and type(conv).forward is Conv2d.forward and _identity_epilogue(conv)
-            and conv.bias is None and conv.groups == 1 and conv.padding_mode == "zeros"
-            and type(bn) is nn.BatchNorm2d and bn.num_features == conv.out_channels)
+    return _why_not_stage(conv, bn) is None
+
+
+def _why_not_stage(conv: nn.Module, bn: nn.Module) -> str | None:
+    """Why a conv followed by `bn` cannot be a stage of a fused run, or None when it can."""
+    if type(bn) is not nn.BatchNorm2d:
+        return f"{type(bn).__name__} is not torch's BatchNorm2d"
+    if not isinstance(conv, Conv2d) or type(conv).forward is not Conv2d.forward:
+        return "the conv is not converted (see 'kept')" if isinstance(conv, nn.Conv2d) else "no Conv2d before it"
+    for bad, why in ((not _identity_epilogue(conv), "the conv has a fused activation"),
+                     (conv.bias is not None, "the conv has a bias (fused runs take bias=False convs)"),
+                     (conv.groups != 1, "a grouped conv (cuDNN fuses no per-channel prologue there)"),
+                     (conv.padding_mode != "zeros", f"padding_mode={conv.padding_mode!r}"),
+                     (bn.num_features != conv.out_channels, "the BatchNorm is not of the conv's channels")):
+        if bad:
+            return why
+    return None
 
 
 def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) -> None:
     n = 3 if _resnet_block(block) == "Bottleneck" else 2
     pairs = [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in range(1, n + 1)]
-    if not all(_conv_bn(c, b) for c, b in pairs):
+    why = next((w for w in (_why_not_stage(c, b) for c, b in pairs) if w is not None), None)
+    if why is not None:
+        report.unchained.append((prefix.rstrip("."), why))
         return
     stages = [Stage(c, b, relu=True, act=block.relu) for c, b in pairs]
     block._cudnn_graphs_chain = Chain(stages, final_relu=True)
@@ -338,6 +358,7 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
             if not relu:
                 break
         if len(stages) < MIN_RUN_STAGES:
+            _note_unchained(seq, names, start, len(stages), prefix, report)
             steps += names[start:i] if stages else [names[i]]
             i += 0 if stages else 1
             continue
@@ -349,6 +370,19 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
     if found:
         seq._cudnn_graphs_steps = tuple(steps)
         seq.forward = _Forward(_chained_sequential_forward, seq)
+
+
+def _note_unchained(seq: nn.Sequential, names: list, start: int, stages: int, prefix: str,
+                    report: ConversionReport) -> None:
+    """Say why a conv -> BatchNorm pair at `start` stays unfused (nothing when no BatchNorm follows a conv)."""
+    if stages:
+        report.unchained.append((f"{prefix}{names[start]}", f"a run of {stages} stage (fused runs have "
+                                                             f"{MIN_RUN_STAGES} or more: one measured slower)"))
+        return
+    conv = seq._modules[names[start]]
+    after = seq._modules[names[start + 1]] if start + 1 < len(names) else None
+    if isinstance(conv, nn.Conv2d) and isinstance(after, nn.modules.batchnorm._BatchNorm):
+        report.unchained.append((f"{prefix}{names[start]}", _why_not_stage(conv, after)))
 
 
 def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
