@@ -94,7 +94,6 @@ class BatchNormKernels:
         if dtype not in CTYPES:
             raise ValueError(f"dtype: batchnorm kernels take {sorted(CTYPES)}, got {dtype!r}")
         fns = _functions(dtype, device)
-        self.rows, self.channels, self.dtype, self.device = rows, channels, dtype, device
         n, c = rows * channels, channels
         vec = vector_width(dtype, c)
         grid = max(1, min(-(-n // (BLOCK * vec)), MAX_BLOCKS))

@@ -420,7 +420,7 @@ class _ChainFunction(torch.autograd.Function):
                      bn.running_mean.data_ptr() if track else 0, bn.running_var.data_ptr() if track else 0,
                      bn.num_batches_tracked.data_ptr() if track else 0]
         program.run_forward(tuple(ptrs), torch._C._cuda_getCurrentRawStream(x.get_device()))
-        ctx.chain, ctx.program, ctx.x_dtype = chain, program, x.dtype
+        ctx.program, ctx.x_dtype = program, x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
         ctx.save_for_backward(x16, out if chain.final_relu else None, *bufs, *weights, *params)
         if residual is not None and residual.dtype != torch.float16:  # torch's type promotion of the add
