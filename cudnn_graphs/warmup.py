@@ -181,6 +181,7 @@ def _print_summary(summary: Summary, args, *, bad_lines: int) -> None:
 
         print(json.dumps({"counts": summary.counts, "seconds": {k: round(v, 3) for k, v in summary.seconds.items()},
                           "by_device": {str(k): v for k, v in sorted(summary.by_device.items())},
+                          "device_timing": {str(k): v for k, v in sorted(summary.device_timing.items())},
                           "bad_lines": bad_lines, "problems": [{"where": w, "outcome": o, "message": m}
                                                                for w, o, m in summary.problems]}, indent=1))
         return

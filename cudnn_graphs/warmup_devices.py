@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 
 from .warmup_plan import RELEASE_EVERY, SpecSource, Summary, plan_one, progress, warmup_session
 
@@ -28,6 +29,7 @@ _RESULT_TIMEOUT = 5.0  # seconds between checks that the workers are still alive
 def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summary:
     ctx = multiprocessing.get_context("spawn")  # a forked CUDA context is unusable; workers start clean
     tasks, results = ctx.Queue(), ctx.Queue()
+    queued = time.perf_counter()
     for i, source in sorted(enumerate(sources), key=lambda item: -_work(item[1].spec)):
         tasks.put((i, source.where, source.spec.to_dict()))
     for _ in devices:
@@ -46,6 +48,7 @@ def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summ
         for device, outcome in progress(_results(results, workers, len(sources)), args, total=len(sources)):
             if device >= 0:  # -1: lost with a worker that died
                 summary.by_device[device] += 1
+                _time(summary.device_timing, device, outcome[1], queued)
             summary.add(*outcome)
     except KeyboardInterrupt:
         interrupted = True
@@ -56,6 +59,13 @@ def plan_on_devices(sources: list[SpecSource], args, devices: list[int]) -> Summ
             if w.is_alive():
                 w.terminate()
     return summary
+
+
+def _time(timing: dict, device: int, busy: float, queued: float) -> None:
+    now = round(time.perf_counter() - queued, 3)
+    entry = timing.setdefault(device, {"first_s": now, "last_s": now, "busy_s": 0.0})
+    entry["last_s"] = now
+    entry["busy_s"] = round(entry["busy_s"] + busy, 3)
 
 
 def _work(spec) -> int:

@@ -28,6 +28,9 @@ class Summary:
     seconds: dict = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0.0))
     problems: list = field(default_factory=list)  # (where, outcome, message)
     by_device: dict = field(default_factory=dict)  # GPU ordinal -> specs it planned (--devices)
+    # GPU ordinal -> {"first_s", "last_s": its first and last result after the specs were queued,
+    # "busy_s": its planning time}: where a multi-GPU warm-up's time goes (start-up, uneven split)
+    device_timing: dict = field(default_factory=dict)
 
     def add(self, outcome: str, seconds: float, where: str = "", message: str = "") -> None:
         self.counts[outcome] += 1

@@ -195,6 +195,10 @@ def test_specs_spread_over_worker_processes_and_every_outcome_comes_back(tmp_pat
     args = SimpleNamespace(cache=str(tmp_path / "cache"), autotune=False, autotune_limit=None, no_progress=True)
     summary = plan_on_devices(sources, args, [0, 1])
     assert sum(summary.counts.values()) == 6 and sum(summary.by_device.values()) == 6
+    for device, n in summary.by_device.items():  # where the time went: a worker with results has its timing
+        timing = summary.device_timing.get(device)
+        assert (timing is None) == (n == 0)
+        assert timing is None or 0 <= timing["first_s"] <= timing["last_s"] and timing["busy_s"] >= 0
     if not cg.environment(0).has_gpu:
         assert summary.counts["failed"] == 6 and all("NoGpuError" in m for _, _, m in summary.problems)
 
