@@ -39,6 +39,9 @@ def lib() -> Any:
         "cuStreamBeginCapture_v2": [_ptr, ctypes.c_int],
         "cuStreamEndCapture": [_ptr, ctypes.POINTER(_ptr)],
         "cuGraphInstantiateWithFlags": [ctypes.POINTER(_ptr), _ptr, ctypes.c_ulonglong],
+        "cuGraphCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
+        "cuGraphAddMemsetNode": [ctypes.POINTER(_ptr), _ptr, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, _ptr],
+        "cuMemAlloc_v2": [ctypes.POINTER(_u64), ctypes.c_size_t],
         "cuGraphDestroy": [_ptr],
         "cuGraphExecDestroy": [_ptr],
         "cuStreamCreate": [ctypes.POINTER(_ptr), ctypes.c_uint],
@@ -141,6 +144,54 @@ def end_capture(stream: int) -> int:
     return graph.value
 
 
+_live_executables = 0  # GraphExec objects alive in this process (all devices): what reserve_executables tops up
+
+
+def live_executables() -> int:
+    return _live_executables
+
+
+class MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", _u64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                ("element_size", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+
+
+def reserve_executables(count: int) -> None:
+    """Instantiate `count` executables of a one-byte memset graph in the current context, then destroy them.
+
+    cuGraphInstantiate grows a per-context pool of executable slots every ~43 live executables (the 35th,
+    78th, 121st ... of a process, whatever their nodes) and that growth waits for all queued GPU work;
+    destroyed executables' slots stay in the pool (H100, docs/kernels.md). Called while the GPU is idle,
+    this makes room for `count` more live executables whose instantiation will not wait. (An empty graph's
+    executables did not make room: the memset node is needed.)"""
+    cuda = lib()
+    ctx = _ptr()
+    _check(cuda.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    params = MemsetParams(_memset_target(ctx.value), 1, 0, 1, 1, 1)
+    graph, node = _ptr(), _ptr()
+    _check(cuda.cuGraphCreate(ctypes.byref(graph), 0), "cuGraphCreate")
+    execs = []
+    try:
+        _check(cuda.cuGraphAddMemsetNode(ctypes.byref(node), graph, None, 0, ctypes.byref(params), ctx),
+               "cuGraphAddMemsetNode")
+        for _ in range(count):
+            exec_ = _ptr()
+            _check(cuda.cuGraphInstantiateWithFlags(ctypes.byref(exec_), graph, 0), "cuGraphInstantiate")
+            execs.append(exec_.value)
+    finally:
+        for handle in execs:
+            cuda.cuGraphExecDestroy(handle)
+        cuda.cuGraphDestroy(graph)
+
+
+@functools.lru_cache(maxsize=None)
+def _memset_target(context: int) -> int:
+    """256 bytes of device memory in `context`, kept for the process: what reserve_executables' graph sets."""
+    ptr = _u64()
+    _check(lib().cuMemAlloc_v2(ctypes.byref(ptr), 256), "cuMemAlloc")
+    return ptr.value
+
+
 class GraphExec:
     """An instantiated CUDA graph; `launch(stream)` replays it. Freed with this object."""
 
@@ -150,6 +201,7 @@ class GraphExec:
         """Takes `graph`: destroyed here (the executable keeps what it needs), or with `keep_graph`
         kept until this object goes, since updates name the nodes of the graph an executable was made
         from; then a failed instantiation leaves `graph` to the caller."""
+        global _live_executables
         cuda = lib()
         exec_ = _ptr()
         self.graph = None
@@ -160,6 +212,7 @@ class GraphExec:
                 cuda.cuGraphDestroy(graph)
         self.graph = graph if keep_graph else None
         self.handle = exec_.value
+        _live_executables += 1  # under the GIL; an estimate is all reserve_executables' callers need
         self._arg = exec_  # passed as is: no int -> pointer conversion per launch
         self._launch = _raw("cuGraphLaunch")  # no argtypes to convert through (see Kernel)
         self.launches = 0
@@ -171,8 +224,11 @@ class GraphExec:
             raise CudaDriverError("cuGraphLaunch", status)
 
     def __del__(self) -> None:
+        global _live_executables
         handle, self.handle = getattr(self, "handle", None), None
         graph, self.graph = getattr(self, "graph", None), None
+        if handle:
+            _live_executables -= 1
         try:
             if handle:
                 lib().cuGraphExecDestroy(handle)

@@ -51,9 +51,7 @@ class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
                 ("shared", ctypes.c_uint), ("kernel_params", _ptr), ("extra", _ptr), ("kern", _ptr), ("ctx", _ptr)]
 
 
-class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
-    _fields_ = [("dst", _u64), ("pitch", _size), ("value", ctypes.c_uint), ("element_size", ctypes.c_uint),
-                ("width", _size), ("height", _size)]
+_MemsetParams = driver.MemsetParams
 
 
 MOVES = 2  # recordings with moved pointers; a dependence on the address a move leaves alone would hide

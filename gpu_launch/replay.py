@@ -10,13 +10,15 @@ A sequence that cannot be captured or re-pointed stays direct, said once in the 
 Recordings do not wait for an idle stream: with a 1 s sleep queued, recording a grid_sample backward
 took 1-2 ms of host time and a ResNet-50 conv plan 0.75-4 ms, the GPU still busy after
 (`tools/probe_grid_sample_host.py`, `tools/probe_record_behind_work.py`; the GPU tests record behind a
-queued sleep), so a training loop that never lets its stream idle still gets its graphs. Should one
-recording behind queued work ever wait for it (an earlier launcher policy saw that once), `watch()` turns
-recording behind work off for the process: later recordings wait for an idle stream, as they once all
-did. Known waits (`tools/probe_stall_sources.py`): a kernel whose stack frame exceeds the
-context's stack limit (1 KB a thread), at the instantiation of the first graph holding it, and the first
-use of a torch kernel. A wait inside a garbage collection is the collector's, not the recording's (a full suite run saw one
-free earlier tests' plans mid-recording): it is logged and changes nothing.
+queued sleep), so a training loop that never lets its stream idle still gets its graphs. Known waits:
+the driver's pool of executable slots grows every ~43 live executables and the instantiation that grows
+it waits for all queued work, whatever its graph (`reserve_slots` grows it ahead while the stream is
+idle, at first sights and recordings); a kernel whose stack frame exceeds the context's stack limit (1 KB
+a thread), at the instantiation of the first graph holding it; the first use of a torch kernel
+(`tools/probe_stall_sources.py`). Should one recording behind queued work wait all the same, `watch()`
+turns recording behind work off for the process: later recordings wait for an idle stream. A wait
+inside a garbage collection is the collector's, not the recording's (a full suite run saw one free
+earlier tests' plans mid-recording): it is logged and changes nothing.
 While the caller's stream is being captured (`torch.cuda.graph`), calls run directly and their launches
 land in the caller's graph.
 """
@@ -69,10 +71,13 @@ class Replay:
                     return
         else:
             self._seen.add(key)
+            if not capturing:
+                reserve_slots(self.ordinal, stream)  # a first sight, maybe on an idle stream: room for graphs
         self.run(ptrs, stream)
 
     def _record(self, key: tuple[int, int], ptrs: tuple[int, ...], stream: int):
         recordings: list[int] = []
+        reserve_slots(self.ordinal, stream)
         done = watch(stream)
         try:
             with driver.device(self.ordinal):
@@ -120,6 +125,27 @@ def record(run: Callable[[int], None], ordinal: int) -> int:
 # 0.9-17 ms behind a 1 s sleep (tools/probe_record_behind_work.py), a wait lasts as long as the queue.
 WAITED_S = 0.2
 _behind_work = True  # recording behind queued work allowed (for the process, until `watch` sees one wait)
+
+
+# Executable slots reserved per device (driver.reserve_executables): the first sight or recording on an idle
+# stream reserves RESERVE_FIRST; fewer than RESERVE_HEADROOM left, twice what is live + the headroom. Generous
+# because the count is ours alone: in one three-file GPU test run a wait came with ~140 of ours live and 256
+# reserved, so something else held ~100 slots (not found; torch's graphs take slots from the same pool).
+RESERVE_FIRST = 512  # ~25 ms of host time once (H100: 256 took 12 ms)
+RESERVE_HEADROOM = 128
+_reserved: dict[int, int] = {}
+
+
+def reserve_slots(ordinal: int, stream: int) -> None:
+    """Before a recording for `stream` on device `ordinal`: top up the driver's executable slots while
+    nothing is queued, so that instantiations behind queued work later do not wait for it."""
+    live = driver.live_executables()
+    if live + RESERVE_HEADROOM <= _reserved.get(ordinal, 0) or not nothing_queued(stream):
+        return
+    target = max(RESERVE_FIRST, 2 * (live + RESERVE_HEADROOM))
+    with driver.device(ordinal):
+        driver.reserve_executables(target - live)
+    _reserved[ordinal] = target
 
 
 def may_record(stream: int) -> bool:

@@ -5,6 +5,7 @@ cost stays near the driver's: each is called N times behind a queued ~1 s sleep 
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -264,3 +265,60 @@ def test_calls_inside_torch_cuda_graph_capture_replay_with_new_data():
         for name, got, ref, tol in zip(("gi", "gg", "y", "da", "db", "dbias"), outs, refs,
                                        (5e-5, 5e-5, 2e-2, 2e-2, 2e-2, 2e-2)):
             assert rel_err(got, ref) < tol, (name, rel_err(got, ref))
+
+
+def _new_geometry_calls(size: int) -> dict:
+    """Every fallback call kind on geometries no earlier test used: each records its own graph."""
+    calls = {}
+    for dtype in (torch.float32, torch.float16):
+        inp = torch.randn(2, 8, size, size + 1, device="cuda", dtype=dtype)
+        grid = (torch.rand(2, size - 1, size, 2, device="cuda") * 2.2 - 1.1).to(dtype)
+        go = torch.randn(2, 8, size - 1, size, device="cuda", dtype=dtype)
+        calls[f"grid_sample {dtype} {size}"] = lambda i=inp, g=grid: gs.grid_sample(i, g)
+        calls[f"grid_sample_backward {dtype} {size}"] = lambda o=go, i=inp, g=grid: gs.grid_sample_backward(o, i, g)
+        calls[f"grid_sample_backward det {dtype} {size}"] = \
+            lambda o=go, i=inp, g=grid: gs.grid_sample_backward(o, i, g, deterministic=True)
+    for act in ("gelu", "relu"):
+        a = torch.randn(8 * size, 64, device="cuda", dtype=torch.float16)
+        b = torch.randn(64, 8 + size, device="cuda", dtype=torch.float16)
+        bias = torch.randn(8 + size, device="cuda", dtype=torch.float16)
+        dy = torch.randn(8 * size, 8 + size, device="cuda", dtype=torch.float16)
+        y, aux = gemm_bias_act(a, b, bias, activation=act)
+        calls[f"gemm_bias_act {act} {size}"] = lambda a=a, b=b, bias=bias, act=act: gemm_bias_act(a, b, bias, activation=act)
+        calls[f"gemm_bias_act_backward {act} {size}"] = \
+            lambda dy=dy, a=a, b=b, aux=aux, act=act: gemm_bias_act_backward(dy, a, b, aux, activation=act)
+    return calls
+
+
+def test_recordings_behind_queued_work_never_wait_as_graphs_accumulate(monkeypatch):
+    """cuGraphInstantiate waits for all queued work whenever the driver grows its pool of executable slots,
+    every ~43 live executables (docs/kernels.md). Five rounds of new geometries of every fallback call, each
+    seen first on an idle GPU and then recorded and replayed behind a queued sleep, pass several such
+    growths: no call may take over 100 ms, and the sleep must still be running after each round."""
+    from gpu_launch import driver
+
+    monkeypatch.setattr(replay, "_behind_work", True)
+    gc.collect()
+    torch.cuda.synchronize()
+    live_before, slow = driver.live_executables(), []
+    for round_ in range(5):
+        calls = {}
+        for size in (9 + 4 * round_, 10 + 4 * round_, 11 + 4 * round_, 12 + 4 * round_):
+            calls.update(_new_geometry_calls(size))
+        for fn in calls.values():  # first sight: planned and run directly, the GPU idle in between
+            fn()
+            torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))  # about a second of queued work ahead of every recording
+        for name, fn in calls.items():
+            for _ in range(2):  # the second sight records behind the sleep, the third replays
+                start = time.perf_counter()
+                fn()
+                took_ms = (time.perf_counter() - start) * 1e3
+                if took_ms > 100:
+                    slow.append(f"round {round_} {name}: {took_ms:.0f} ms")
+        assert not torch.cuda.current_stream().query(), (
+            f"round {round_}: the queue drained: a call waited; live executables {driver.live_executables()}, "
+            f"reserved {replay._reserved}, slow {slow}")
+        torch.cuda.synchronize()
+    assert driver.live_executables() - live_before >= 150, "too few graphs recorded to pass the slot growths"
+    assert not slow, slow

@@ -16,8 +16,10 @@ Recording is a warm-up activity with a fixed budget, measured on an H100 (driver
   of host time each and the GPU stayed busy (`tools/probe_record_behind_work.py`), so a training loop
   whose stream never idles gets its graphs. Before re-pointed graphs, a recording at a pointer set's
   second sight held the host for the whole queue (tests/test_gpu_calls.py, two runs of two; and
-  `cuGraphInstantiate` once in a training loop), the cause not found; should a recording wait like that
-  again, `gpu_launch.replay.watch` sees it and from then on the process records only on an idle stream;
+  `cuGraphInstantiate` once in a training loop): the driver grows its pool of executable slots every ~43
+  live executables and that waits for queued work, so first sights and recordings on an idle stream
+  reserve slots ahead (`gpu_launch.replay.reserve_slots`); should a recording wait all the same,
+  `gpu_launch.replay.watch` sees it and from then on the process records only on an idle stream;
 - it costs 0.5-2 ms of host time where a replay saves ~10 us, and where graphs cannot be re-pointed a
   training loop's activations come back only for a while (torch's caching allocator: about half of a
   step's pointer sets recur a step or two later, then drift); so a launcher records at most
@@ -33,7 +35,7 @@ import threading
 from typing import Callable, Sequence
 
 from gpu_launch import driver, graph_patch
-from gpu_launch.replay import capture_stream, may_record, record, watch
+from gpu_launch.replay import capture_stream, may_record, record, reserve_slots, watch
 
 from ..errors import CudaDriverError, GraphCaptureError
 
@@ -111,6 +113,8 @@ class Launcher:
         if graph is None and self.capture_enabled and self._due(key) and not capturing(stream) \
                 and may_record(stream) and self._record(key, ptrs, stream):
             return
+        if graph is None and self.capture_enabled and key[:2] not in self._seen and not capturing(stream):
+            reserve_slots(self.plan.device, stream)  # a first sight, maybe on an idle stream: room for graphs
         self.prepared(stream)(ptrs)
         if graph is None and self.capture_enabled:
             if len(self._seen) >= _SEEN_LIMIT:
@@ -123,6 +127,7 @@ class Launcher:
 
     def _record(self, key: tuple, ptrs: tuple[int, ...], stream: int) -> bool:
         """Record a graph for these pointers (a re-pointable one where it can be) and launch it."""
+        reserve_slots(self.plan.device, stream)
         done = watch(stream)
         try:
             graph = self._record_patchable(ptrs, stream) if self.patching and not _low_bits(ptrs) \
