@@ -218,3 +218,41 @@ def test_plots_draw_from_stored_results(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert out.stat().st_size > 1000
+
+
+def test_correctness_helpers_on_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    from benchmarks.grid_sample import make_grid
+
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    dy, b = torch.randn(2, 4, 6, 6), torch.randn(4)
+    want = harness.conv2d_reference(x, w, dy, bias=b, padding=1)
+    assert want["y"].dtype == torch.float64 and want["dx"].shape == x.shape and want["dw"].shape == w.shape
+    y = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+    assert harness.rel_err(y, want["y"]) < 1e-5
+    poisoned = harness.poisoned_like(y)
+    assert poisoned.shape == y.shape and torch.isnan(poisoned).all()
+    assert harness.rel_err(poisoned, want["y"]) == math.inf
+    grid = make_grid(3, (5, 7), "random", "float16", device="cpu", span=1.1)
+    assert grid.shape == (3, 5, 7, 2) and grid.dtype == torch.float16 and float(grid.abs().max()) <= 1.1
+    assert make_grid(2, (4, 4), "affine", torch.float32, device="cpu").shape == (2, 4, 4, 2)
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("readme", ["benchmarks/README.md", "tools/README.md"])
+def test_the_readmes_links_resolve(readme):
+    path = ROOT / readme
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve()
+        if not resolved.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", resolved.read_text(encoding="utf-8"), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                bad.append(f"{target} (no such heading)")
+    assert not bad, f"{readme}: {bad}"
