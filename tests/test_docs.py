@@ -384,11 +384,43 @@ def test_links_resolve():
     assert not bad, f"links that do not resolve: {bad}"
 
 
-def test_the_tools_results_the_docs_name_exist():
-    """A results file named in full (tools/results/... or a dated name) is one the repository holds."""
-    results = ROOT / "tools" / "results"
-    missing = sorted({f"{_rel(path)}: {name}" for path in _documents()
-                      for name in re.findall(r"\b(20\d\d-\d\d-\d\d-[a-z0-9]+-[\w.-]+?\.(?:json|log|png|jsonl))\b",
-                                             path.read_text(encoding="utf-8"))
-                      if not (results / name).exists()})
-    assert not missing, f"results files named in the docs that tools/results/ does not hold: {missing}"
+HISTORICAL = re.compile(r"\b([0-9a-f]{7,40}):((?:tools|benchmarks)/[\w./*-]+)")
+REPO_PATH = re.compile(r"(?<![\w/.:-])((?:benchmarks|tools)/[\w./-]*\.(?:py|json|png|md|jsonl|log))")
+DATED = re.compile(r"\b20\d\d-\d\d-\d\d-[a-z0-9]+-[\w.*-]+?\.(?:json|log|png|jsonl)\b")
+
+
+def _history(commit: str) -> list[str] | None:
+    """The files of `commit`, or None where git or that commit is not here (a shallow clone)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", commit],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.split() if done.returncode == 0 else None
+
+
+def test_the_results_and_scripts_the_docs_name_exist():
+    """A results file or script the docs name (`benchmarks/results/<gpu>/...`, `benchmarks/*.py`,
+    `tools/*.py`) is one the repository holds; one removed is named `<commit>:path`, a file of that commit
+    (checked where git has the commit); a dated results name appears only in that form."""
+    import fnmatch
+
+    missing, historical = [], {}
+    for document in _documents():
+        text = document.read_text(encoding="utf-8")
+        for commit, path in HISTORICAL.findall(text):
+            if not path.endswith("/") and "..." not in path:  # not a pattern such as `<commit>:tools/<probe>.py`
+                historical.setdefault(commit, set()).add((_rel(document), path))
+        current = HISTORICAL.sub("", text)
+        missing += [f"{_rel(document)}: {path}" for path in REPO_PATH.findall(current) if not (ROOT / path).exists()]
+        missing += [f"{_rel(document)}: {name} (a dated result outside git history)" for name in DATED.findall(current)]
+        missing += [f"{_rel(document)}: tools/results/" for _ in re.findall(r"(?<!:)tools/results/", current)]
+    for commit, cited in historical.items():
+        files = _history(commit)
+        if files is None:
+            continue
+        missing += [f"{doc}: {commit}:{path} (not in {commit})" for doc, path in sorted(cited)
+                    if not any(fnmatch.fnmatchcase(f, path) for f in files)]
+    assert not missing, f"files named in the docs that are not where they say: {missing}"

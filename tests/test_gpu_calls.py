@@ -384,10 +384,11 @@ def test_graph_replays_compute_what_direct_runs_compute_with_fresh_buffers_each_
 
 @pytest.mark.parametrize("policy", ["heuristic", "autotune"])
 def test_planning_leaves_no_cudnn_object_to_the_garbage_collector(tmp_path, policy):
-    """Freeing a cuDNN plan can wait for the whole GPU (tools/probe_sync_sources.py), and the garbage
-    collector frees what reference cycles hold at whatever later call it runs in: a training step, behind
-    a full queue. So planning, with the graphs it tries and drops (fused first, a depthwise conv unfused
-    first, autotune's candidates), must leave no cuDNN object to the collector."""
+    """Freeing a cuDNN plan can wait for the whole GPU (e60c578:tools/probe_sync_sources.py, in git
+    history), and the garbage collector frees what reference cycles hold at whatever later call it runs
+    in: a training step, behind a full queue. So planning, with the graphs it tries and drops (fused
+    first, a depthwise conv unfused first, autotune's candidates), must leave no cuDNN object to the
+    collector."""
     specs = list(_graph_cases().values())
     specs.append(cg.ConvFwdSpec((4, 32, 12, 12), (32, 1, 3, 3), padding=1, groups=32, dtype="float16",
                                 layout="channels_last", bias=True, activation="gelu"))

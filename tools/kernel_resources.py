@@ -1,8 +1,8 @@
 """Registers, stack bytes and spill stores of every fallback kernel, as ptxas reports them (NVRTC, no GPU).
 
-    python3 tools/kernel_resources.py [--arch sm_90] [--source grid_sample] [--match gs_backward] [--framed]
-    python3 tools/kernel_resources.py --out resources.json
-    python3 tools/kernel_resources.py --check   # exit 1 if a kernel's frame exceeds STACK_LIMIT
+    python -m tools.kernel_resources [--arch sm_90] [--source grid_sample] [--match gs_backward] [--framed]
+    python -m tools.kernel_resources --out resources.json
+    python -m tools.kernel_resources --check   # exit 1 if a kernel's frame exceeds STACK_LIMIT
 
 A stack frame in a kernel that should have none is usually an array indexed at run time (see PointTaps'
 `pick()` in grid_sample.cu) or a spill under a `__launch_bounds__` cap; registers set how many blocks fit an
@@ -11,7 +11,7 @@ SM. Prints one line per instantiation; --framed keeps only those with stack byte
 A frame above the context's stack limit (CU_LIMIT_STACK_SIZE, 1024 bytes unless raised) makes the kernel's first
 launch, or the instantiation of the first graph holding it, wait for all queued work while the driver grows the
 context's local memory: 1010 ms behind a 1 s sleep for a 2048-byte frame, nothing for 1024 bytes, H100, driver
-580 (`tools/probe_stall_sources.py`, `results/2026-11-25-h100-probe_stall_sources*.json`). `--check` fails then.
+580 (`tools/probe_stall_sources.py`; docs/kernels.md, "First launches that wait for the GPU"). `--check` fails then.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SOURCES = ("grid_sample", "gemm_act", "epilogue")
 STACK_LIMIT = 1024  # bytes a thread: the driver's default CU_LIMIT_STACK_SIZE
@@ -38,7 +36,7 @@ def resources(source: str, arch: str) -> dict[str, dict[str, int]]:
     return kc.ptxas_resources(f"{source}.cu", names, arch, module.OPTIONS)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--source", choices=SOURCES, action="append", help="default: all")
@@ -46,7 +44,7 @@ def main() -> int:
     ap.add_argument("--framed", action="store_true", help="only kernels with stack bytes or spill stores")
     ap.add_argument("--out", type=Path, help="also write the table as JSON here")
     ap.add_argument("--check", action="store_true", help=f"exit 1 if a frame exceeds {STACK_LIMIT} bytes")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     table = {}
     for source in args.source or SOURCES:
         for name, r in resources(source, args.arch).items():

@@ -9,7 +9,7 @@ back-to-back executes queued behind a sleep (no host gaps), beside torch's unfus
 the same way (`cudnn.benchmark=True`): conv; conv -> batch_norm(training) -> relu_; the prologue's
 elementwise + wgrad. Each built graph's results are checked against torch in float32.
 
-    python tools/probe_bn_fusions.py --out probe_bn_fusions.json
+    python -m tools.probe_bn_fusions --out probe_bn_fusions.json
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import time
 import cudnn
 import torch
 import torch.nn.functional as F
+
+from benchmarks import harness
 
 N = 64
 # (C, K, H, W, R, stride, pad): every distinct conv of torchvision's resnet50 after the stem
@@ -39,15 +41,8 @@ def nhwc(t):
 
 
 def device_us(fn, reps=20):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e7))
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1000 / reps
+    """Device us per call of `reps` back-to-back calls queued behind a sleep (no host gaps)."""
+    return harness.device_ms(fn, calls=reps, sleep_cycles=int(2e7)) * 1000
 
 
 def graph(handle, dtype):
@@ -170,10 +165,10 @@ def torch_times(x, w, a, dy, s, b, stride, pad):
                 dy, a, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1, [False, True, False])), 1)}
 
 
-def main():
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="probe_bn_fusions.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
@@ -183,11 +178,9 @@ def main():
             row = probe_layer(handle, layer, dtype, sdt)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    meta = {"gpu": torch.cuda.get_device_name(), "cudnn": cudnn.backend_version(), "fe": cudnn.__version__,
-            "torch": torch.__version__, "batch": N}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    harness.write_json(args.out, {"batch": N, "rows": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

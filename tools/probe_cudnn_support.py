@@ -6,7 +6,7 @@ Developer tool: run on a GPU host. Prints one line per case and a summary
 table at the end. Every case is isolated in try/except; the whole run is
 bounded by a soft deadline (cases past it are reported as SKIP).
 
-    python3 tools/probe_cudnn_support.py 2>&1 | tee probe.log
+    python -m tools.probe_cudnn_support 2>&1 | tee probe.log
 
 Questions covered (Q1..Q11): float64 conv fprop/dgrad/wgrad, fused
 activations, *_backward pointwise semantics (pre-activation vs output),
@@ -15,6 +15,7 @@ wgrad + bias-grad reduction, dgrad + relu_backward / asymmetric padding,
 1-D / 3-D / grouped / depthwise conv, bf16, plan build timing/serialization.
 """
 
+import argparse
 import math
 import os
 import sys
@@ -30,11 +31,8 @@ T0 = time.time()
 DEADLINE_S = float(os.environ.get("PROBE_DEADLINE_S", "270"))
 RESULTS = []  # (case, status, engine, err, note)
 
-torch.manual_seed(0)
 DEV = "cuda"
-
-H = cudnn.create_handle()
-cudnn.set_stream(handle=H, stream=torch.cuda.current_stream().cuda_stream)
+H = None  # the cuDNN handle, made by main(): importing this module needs no GPU
 
 DT = {
     torch.float16: cudnn.data_type.HALF,
@@ -745,7 +743,16 @@ def q11(st):
 # --------------------------------------------------------------------------- main
 
 
-def main():
+def main(argv=None) -> int:
+    global H, DEADLINE_S
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--deadline", type=float, default=DEADLINE_S,
+                   help="seconds after which the remaining cases are reported as SKIP ($PROBE_DEADLINE_S)")
+    args = p.parse_args(argv)
+    DEADLINE_S = args.deadline
+    torch.manual_seed(0)
+    H = cudnn.create_handle()
+    cudnn.set_stream(handle=H, stream=torch.cuda.current_stream().cuda_stream)
     print(f"device: {torch.cuda.get_device_name(0)}  cc={torch.cuda.get_device_capability(0)}")
     print(f"cudnn.backend_version()={cudnn.backend_version()}  string={getattr(cudnn, 'backend_version_string', lambda: '?')()}")
     print(f"frontend={getattr(cudnn, '__version__', '?')}  torch={torch.__version__}  torch.cudnn={torch.backends.cudnn.version()}")
@@ -764,11 +771,12 @@ def main():
     for c, s, eng, err, note in RESULTS:
         print(f"{c:<44} {s:<7} {err:<9} {eng:<40} {note}")
     print(f"total {time.time() - T0:.1f}s, {len(RESULTS)} cases")
+    return 0
 
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         sys.exit(1)

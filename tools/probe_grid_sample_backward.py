@@ -1,7 +1,7 @@
 """Probe (GPU host): grid_sample backward device time per algorithm, this kernel source against another one.
 
     git show HEAD~1:fallback_kernels/grid_sample.cu > before.cu
-    python3 tools/probe_grid_sample_backward.py --before before.cu --out probe_grid_sample_backward.json
+    python -m tools.probe_grid_sample_backward --before before.cu --out probe_grid_sample_backward.json
 
 Per shape (random grids over [-1.1, 1.1], both gradients) and algorithm -- fast or deterministic, through the
 shared-memory tile kernels or, with TUNING["tile"] off, the global ones (gs_backward; gs_count / gs_place /
@@ -18,12 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from probe_bias_grad import _device_us  # noqa: E402
-from probe_depthwise import _sleep_cycles  # noqa: E402
-from probe_gemm_kernels import _kernels  # noqa: E402
+from benchmarks import harness
 
 SHAPES = (  # name, dtype, input shape, output spatial, mode
     ("f32 (8,64,128,128)", "float32", (8, 64, 128, 128), (128, 128), "bilinear"),
@@ -42,18 +37,23 @@ ALGORITHMS = {  # name: (deterministic, TUNING["tile"])
 def _kernel_us(fn) -> dict:
     """Mean device us per call of each kernel fn launches, by name without arguments."""
     out: dict = {}
-    for ev in _kernels(fn, calls=5):
-        name = ev.key.split("(")[0].removeprefix("void ")
-        out[name] = round(out.get(name, 0.0) + ev.device_time_total / 5, 2)
+    for key, us in harness.kernel_us(fn, calls=5).items():
+        name = key.split("(")[0].removeprefix("void ")
+        out[name] = round(out.get(name, 0.0) + us, 2)
     return out
 
 
-def main() -> int:
+def device_us(fn, *, cycles: int) -> float:
+    """Median device us per call over 15 blocks of 20 back-to-back calls, each queued behind a ~20 ms sleep."""
+    return round(harness.device_ms(fn, calls=20, rounds=15, sleep_cycles=cycles, warmup=3) * 1e3, 2)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, type=Path, help="another grid_sample.cu to compare against")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernels", action="store_true", help="also each kernel's device us (torch.profiler)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 
@@ -69,7 +69,7 @@ def main() -> int:
         return current(filename)
 
     compile_mod.source = source
-    cycles = _sleep_cycles(torch, 20.0)
+    cycles = harness.sleep_cycles_for(20.0)
     defaults = {"tile": gs.TUNING["tile"], "options": gs.TUNING.get("options", ())}
     rows = []
     for name, dt, shape, out, mode in SHAPES:
@@ -87,7 +87,7 @@ def main() -> int:
                         return gs.grid_sample_backward(go, x, grid, mode=mode, deterministic=det)
                     grads[label] = [g.double() for g in call()]
                     torch.cuda.synchronize()
-                    row[f"{label}_us"] = _device_us(torch, call, cycles=cycles)
+                    row[f"{label}_us"] = device_us(call, cycles=cycles)
                     if args.kernels:
                         row[f"{label}_kernels"] = _kernel_us(call)
                 finally:

@@ -1,6 +1,6 @@
 """Probe (GPU host): grid_sample forward device time, our kernel's lanes per point against torch's kernel.
 
-    python3 tools/probe_grid_sample_forward.py --out probe_grid_sample_forward.json
+    python -m tools.probe_grid_sample_forward --out probe_grid_sample_forward.json
 
 The forward gives each output point L lanes; a lane computes the point's taps once and loops over channel
 groups of 4 (ATen's kernel: one thread per point looping over every channel). Per shape, grid kind
@@ -18,10 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from probe_bias_grad import _device_us  # noqa: E402
-from probe_depthwise import _sleep_cycles  # noqa: E402
+from benchmarks import harness
 
 SHAPES = (  # name, dtype, input shape, output spatial, layout, mode
     ("f32 (8,64,128,128)", "float32", (8, 64, 128, 128), (128, 128), "first", "bilinear"),
@@ -56,12 +53,17 @@ def _grid(torch, kind: str, n: int, out: tuple, dtype):
     return torch.nn.functional.affine_grid(theta, (n, 1, *out), align_corners=False).to(dtype)
 
 
-def main() -> int:
+def device_us(fn, *, cycles: int) -> float:
+    """Median device us per call over 15 blocks of 20 back-to-back calls, each queued behind a ~20 ms sleep."""
+    return round(harness.device_ms(fn, calls=20, rounds=15, sleep_cycles=cycles, warmup=3) * 1e3, 2)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--settings", default="default,vec_L1,vec_L2,one_per_group,min_blocks_1",
                     help=f"comma-separated, of: {', '.join(SETTINGS)}")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     settings = {name: SETTINGS[name] for name in args.settings.split(",")}
 
     import torch
@@ -69,7 +71,7 @@ def main() -> int:
 
     from fallback_kernels import grid_sample as gs
 
-    cycles = _sleep_cycles(torch, 20.0)
+    cycles = harness.sleep_cycles_for(20.0)
     rows, defaults = [], {k: v for k, v in gs.TUNING.items() if k.startswith("fwd_") or k == "options"}
     for name, dt, shape, out, layout, mode in SHAPES:
         dtype = getattr(torch, dt)
@@ -80,7 +82,7 @@ def main() -> int:
             grid = _grid(torch, kind, shape[0], out, dtype)
             row = {"shape": name, "grid": kind, "mode": mode}
             expected = F.grid_sample(x, grid, mode=mode, align_corners=False)
-            row["torch_us"] = _device_us(torch, lambda: F.grid_sample(x, grid, mode=mode, align_corners=False),
+            row["torch_us"] = device_us(lambda: F.grid_sample(x, grid, mode=mode, align_corners=False),
                                          cycles=cycles)
             for setting, overrides in settings.items():
                 gs.TUNING.update(overrides)
@@ -90,7 +92,7 @@ def main() -> int:
                     y = gs.grid_sample(x, grid, mode=mode)
                     torch.cuda.synchronize()
                     row[f"{setting}_max_diff"] = float((y.double() - expected.double()).abs().max())
-                    row[f"{setting}_us"] = _device_us(torch, lambda: gs.grid_sample(x, grid, mode=mode), cycles=cycles)
+                    row[f"{setting}_us"] = device_us(lambda: gs.grid_sample(x, grid, mode=mode), cycles=cycles)
                 finally:
                     gs.TUNING.update(defaults)
             print(json.dumps(row), flush=True)

@@ -1,6 +1,6 @@
 """Probe (GPU host): which first-time driver work makes the host wait for a queued ~1 s sleep?
 
-    python3 tools/probe_stall_sources.py [--out probe.json] [--only NAME ...]
+    python -m tools.probe_stall_sources [--out probe.json] [--only NAME ...]
 
 A recording behind queued work was seen to wait ~1 s for the GPU once in a few runs of
 `test_no_device_synchronisation` (the queue was a 1 s sleep). Each case here runs in a fresh process
@@ -25,10 +25,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-SLEEP_CYCLES = int(2e9)  # about a second of an H100's clock
+from benchmarks import harness
 
 KERNEL = r"""
 extern "C" __global__ void frame(float* out, int n, int k) {
@@ -54,16 +53,7 @@ def _frame_kernel(frame: int):
 
 
 def _behind_sleep(step) -> dict:
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start = time.perf_counter()
-    step()
-    took = time.perf_counter() - start
-    busy = not torch.cuda.current_stream().query()
-    torch.cuda.synchronize()
-    return {"host_ms": round(took * 1e3, 3), "gpu_busy_after": busy, "waited": took > 0.2 and not busy}
+    return harness.behind_sleep(step, cycles=harness.SLEEP_STALL)  # about a second of an H100's clock
 
 
 def _launch_frame(fn, out, stream_ptr: int) -> None:
@@ -194,12 +184,12 @@ def _child(name: str) -> None:
     print(json.dumps(CASES[name]()))
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--only", nargs="*")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         _child(args.child)
         return 0
@@ -207,8 +197,8 @@ def main() -> int:
     for name in args.only or CASES:
         for loading in ("LAZY", "EAGER"):
             env = dict(os.environ, CUDA_MODULE_LOADING=loading)
-            done = subprocess.run([sys.executable, __file__, "--child", name], env=env, capture_output=True,
-                                  text=True, timeout=300)
+            done = subprocess.run([sys.executable, "-m", "tools.probe_stall_sources", "--child", name], env=env,
+                                  cwd=harness.ROOT, capture_output=True, text=True, timeout=300)
             row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
                 {"error": done.stderr[-2000:]}
             rows[f"{name} {loading}"] = row

@@ -3,7 +3,7 @@ fused conv-BatchNorm runs (torch.profiler, CUDA kernels only, summed per kernel 
 
 AMP fp16, channels_last, `cudnn.benchmark=True`; also wall ms per step (interleaved blocks, medians).
 
-    python tools/probe_step_kernels.py --model resnet50 --out probe_step_kernels.json
+    python -m tools.probe_step_kernels --model resnet50 --out probe_step_kernels.json
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ import argparse
 import collections
 import copy
 import json
-import statistics
 
-import torch
-import torchvision
-from torch.profiler import ProfilerActivity, profile
-
-import cudnn_graphs.torch as cgt
+from benchmarks import harness
 
 
 def make_step(model, x, y):
+    import torch
+
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step():
@@ -34,35 +31,31 @@ def make_step(model, x, y):
     return step
 
 
-def kernels(step, n=3):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            step()
-        torch.cuda.synchronize()
+def kernels(step, n=3) -> collections.Counter:
+    """Device ms per step by kernel (the profiler's CUDA kernels over `n` steps, names cut at 90)."""
     totals = collections.Counter()
-    for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0):
-            totals[ev.key[:90]] += ev.self_device_time_total / n / 1000
+    for key, us in harness.kernel_us(step, calls=n, warmup=0).items():
+        totals[key[:90]] += us / 1000
     return totals
 
 
 def wall(step, n=10):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        step()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    """ms per step: CUDA events around a block of `n` steps, no sleep ahead (host included)."""
+    return harness.device_ms(step, calls=n, sleep_cycles=0)
 
 
-def main():
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="probe_step_kernels.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    import torch
+    import torchvision
+
+    import cudnn_graphs.torch as cgt
+
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     base = getattr(torchvision.models, args.model)().cuda().to(memory_format=torch.channels_last)
@@ -74,19 +67,15 @@ def main():
     for step in steps.values():
         for _ in range(5):
             step()
-    walls = {k: [] for k in steps}
-    for _ in range(args.rounds):
-        for k, step in steps.items():
-            walls[k].append(wall(step))
-    out = {"meta": {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch},
-           "wall_ms": {k: statistics.median(v) for k, v in walls.items()}, "kernels": {}}
+    walls = harness.interleaved(steps, {"wall": wall}, rounds=args.rounds)["wall"]
+    out = {"model": args.model, "batch": args.batch, "wall_ms": walls, "kernels": {}}
     for k, step in steps.items():
         totals = kernels(step)
         out["kernels"][k] = {"total_ms": sum(totals.values()), "top": totals.most_common(30)}
     print(json.dumps({"wall_ms": out["wall_ms"], "device_ms": {k: v["total_ms"] for k, v in out["kernels"].items()}}))
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    harness.write_json(args.out, out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

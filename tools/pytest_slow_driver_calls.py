@@ -1,6 +1,7 @@
 """A pytest plugin (GPU host): report every driver-layer call that holds the host for more than 0.1 s.
 
-    PYTHONPATH=tools:$PYTHONPATH python3 -m pytest -s -p pytest_slow_driver_calls tests/test_gpu_....py
+    python -m pytest -s -p tools.pytest_slow_driver_calls tests/test_gpu_....py   # from the repository root
+    python -m tools.pytest_slow_driver_calls tests/test_gpu_....py                 # the same
 
 Wraps the functions of `gpu_launch.driver` and `gpu_launch.graph_patch`, their classes' `__init__` and
 `launch`, and `gpu_launch.replay.record` / `Replay._record`, and prints `SLOW <call> <ms> [caller chain]` for each
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 import traceback
 
@@ -49,3 +51,14 @@ def pytest_configure(config) -> None:
                         _wrap(obj, method, f"{module.__name__}.{name}.{method}")
     _wrap(replay, "record", "replay.record")
     _wrap(replay.Replay, "_record", "Replay._record")
+
+
+def main(argv=None) -> int:
+    """pytest with this plugin loaded and output shown (-s); arguments go to pytest."""
+    import pytest
+
+    return pytest.main(["-s", "-p", "tools.pytest_slow_driver_calls", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

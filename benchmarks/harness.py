@@ -1,0 +1,405 @@
+"""The measuring every benchmark (and every kept probe in tools/) shares: one implementation of each method.
+
+Timing (GPU; torch is imported only inside the functions, so this module imports anywhere):
+
+- `host_us`: host time per call with the GPU held busy by a queued sleep kernel, so the host never waits
+  for the device (what a training loop's host spends on a call);
+- `latency_ms`: one call from an idle GPU, CUDA events around it (what a step sees when the host cannot
+  run ahead);
+- `device_ms` / `device_samples`: blocks of back-to-back calls between CUDA events, queued behind a sleep
+  so launch gaps do not count (device time alone); with `sleep_cycles=0`, launch gaps included;
+- `wall_ms`: host wall time of back-to-back calls, synchronised before and after;
+- `behind_sleep`: the host time of one step with ~1 s of GPU work queued, and whether it waited for it;
+- `kernel_us`: torch.profiler's CUDA kernels of some calls, device us per call by kernel name.
+
+Rounds: `interleaved` alternates candidates (ours, torch's ...) round by round and keeps the medians, so
+both see the same host; hosts drift by 20-50 % between runs, so compare within a run.
+Checks: `rel_err` against a float64 reference, `poisoned_like` / `spec_buffers` for outputs that must be
+written (NaN until then). Output: `write_json` (with `metadata()`: device, torch, cuDNN, versions) and
+`png` / `bar_chart` (matplotlib optional: without it a one-line note and no PNG).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: fresh processes start here (`-m benchmarks.x`)
+
+# torch.cuda._sleep cycles: ~0.1 s at an H100's ~1.9 GHz, longer than the host needs to queue the calls
+# of one sample; the host figures use longer ones where a sample queues more.
+SLEEP_DEVICE = int(2e8)
+SLEEP_STALL = int(2e9)  # ~1 s: "behind queued work"
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _events():
+    torch = _torch()
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def sleep(cycles: int) -> None:
+    """Queue a kernel that spins for `cycles` GPU clock cycles on the current stream."""
+    if cycles:
+        _torch().cuda._sleep(int(cycles))
+
+
+def sleep_cycles_for(ms: float) -> int:
+    """torch.cuda._sleep cycles lasting about `ms` on this GPU (calibrated once, from one 1e6-cycle sleep)."""
+    start, end = _events()
+    sleep(1000)
+    start.record()
+    sleep(10**6)
+    end.record()
+    end.synchronize()
+    return int(10**6 * ms / max(start.elapsed_time(end), 1e-3))
+
+
+# -- timing -------------------------------------------------------------------------------------------
+
+def host_us(fn: Callable, *, calls: int, rounds: int = 1, sleep_cycles: int = SLEEP_DEVICE,
+            nan_if_drained: bool = False) -> float:
+    """Median over `rounds` of host us per call of `calls` calls, each round queued behind a sleep of
+    `sleep_cycles` (0: none, the GPU idle at the start). `nan_if_drained`: a round whose queue drained
+    before the host finished is NaN (a call waited for the GPU: not a host figure)."""
+    torch = _torch()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        sleep(sleep_cycles)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = (time.perf_counter() - start) / calls * 1e6
+        drained = nan_if_drained and torch.cuda.current_stream().query()
+        samples.append(float("nan") if drained else elapsed)
+    torch.cuda.synchronize()
+    return median(samples)
+
+
+def latency_ms(fn: Callable, *, reps: int = 25) -> float:
+    """Median ms of one call from an idle GPU: CUDA events around it, the device synchronised before."""
+    torch = _torch()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = _events()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return median(samples)
+
+
+def device_samples(fn: Callable, *, calls: int, rounds: int, sleep_cycles: int = SLEEP_DEVICE,
+                   warmup: int = 0) -> tuple[list[float], int]:
+    """ms per call of `rounds` blocks of `calls` back-to-back calls between CUDA events, after `warmup`
+    calls. With `sleep_cycles`, each block is queued behind a sleep from an idle GPU, so the host's
+    launch gaps do not count; the second value counts the blocks whose sleep was over before the block
+    was queued (host-bound: launch gaps counted after all)."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = _events()
+    samples, host_bound = [], 0
+    for _ in range(rounds):
+        if sleep_cycles:
+            torch.cuda.synchronize()
+            sleep(sleep_cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        host_bound += bool(sleep_cycles) and bool(start.query())
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return samples, host_bound
+
+
+def device_ms(fn: Callable, *, calls: int, rounds: int = 1, sleep_cycles: int = SLEEP_DEVICE,
+              warmup: int = 0) -> float:
+    """Median of `device_samples`: back-to-back device ms per call."""
+    return median(device_samples(fn, calls=calls, rounds=rounds, sleep_cycles=sleep_cycles, warmup=warmup)[0])
+
+
+def wall_ms(fn: Callable, *, calls: int = 1, rounds: int = 1) -> float:
+    """Median over `rounds` of host wall ms per call of `calls` back-to-back calls, synchronised before and
+    after (host overhead included: what a loop sees when the host is the bottleneck)."""
+    torch = _torch()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3 / calls)
+    return median(samples)
+
+
+def behind_sleep(step: Callable, *, cycles: int = SLEEP_STALL) -> dict:
+    """The host ms of one `step` with ~`cycles` of GPU sleep queued ahead, whether the GPU was still busy
+    after it, and whether it waited (took > 0.2 s and left the GPU idle; a direct launch that waited
+    leaves its own kernel running, so busy-after alone does not tell)."""
+    torch = _torch()
+    torch.cuda.synchronize()
+    sleep(cycles)
+    start = time.perf_counter()
+    step()
+    took = time.perf_counter() - start
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return {"host_ms": round(took * 1e3, 3), "gpu_busy_after": busy, "waited": took > 0.2 and not busy}
+
+
+def kernel_us(fn: Callable, *, calls: int, warmup: int = 1) -> dict[str, float]:
+    """{kernel name as torch.profiler keys it: device us per call} of `calls` calls of `fn` (CUDA
+    activity only: kernels, memsets, copies), after `warmup` calls."""
+    torch = _torch()
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total
+        if us > 0 or ev.device_type.name == "CUDA":
+            out[ev.key] = out.get(ev.key, 0.0) + us / calls
+    return out
+
+
+# -- rounds and their summaries -----------------------------------------------------------------------
+
+def median(samples: Iterable[float]) -> float:
+    """statistics.median, NaN for no samples."""
+    samples = list(samples)
+    return statistics.median(samples) if samples else float("nan")
+
+
+def interleaved(candidates: dict[str, Callable], measures: dict[str, Callable], *, rounds: int,
+                by: str = "measure") -> dict[str, dict[str, float]]:
+    """{measure: {candidate: median}}: each round runs every measure on every candidate, then the next
+    round, so drift hits all alike. `measures[m](candidate)` returns one sample or a list of them.
+    by="measure": a round goes measure by measure (A's host, B's host, A's latency ...); by="candidate":
+    candidate by candidate (A's host, A's latency, ..., then B's)."""
+    if by not in ("measure", "candidate"):
+        raise ValueError(f"by: 'measure' or 'candidate', not {by!r}")
+    samples = {m: {c: [] for c in candidates} for m in measures}
+    order = ([(m, c) for m in measures for c in candidates] if by == "measure"
+             else [(m, c) for c in candidates for m in measures])
+    for _ in range(rounds):
+        for m, c in order:
+            got = measures[m](candidates[c])
+            samples[m][c].extend(got if isinstance(got, (list, tuple)) else [got])
+    return {m: {c: median(v) for c, v in per.items()} for m, per in samples.items()}
+
+
+def ratio(baseline: float, ours: float) -> float:
+    """baseline / ours (a speed-up when both are times): NaN where either is missing or ours is 0."""
+    if not ours or baseline is None or ours is None or math.isnan(baseline) or math.isnan(ours):
+        return float("nan")
+    return baseline / ours
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+# -- correctness --------------------------------------------------------------------------------------
+
+def rel_err(got, want) -> float:
+    """‖got - want‖ / ‖want‖ in float64 (torch tensors); inf where `got` holds a NaN (an output never
+    written keeps its poison)."""
+    torch = _torch()
+    got, want = got.double(), want.double()
+    if torch.isnan(got).any():
+        return math.inf
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def poisoned_like(t):
+    """A tensor shaped, strided and typed as `t`, filled with NaN: an output the code under test must write."""
+    return _torch().full_like(t, float("nan"))
+
+
+OUTPUT_ROLES = ("y", "dx", "dw", "db")  # a spec's roles the plan writes
+
+
+def spec_buffers(spec, framework: str = "torch") -> dict:
+    """Buffers for every role of a conv `spec` as its tensors() describe them (shape, strides, dtype) on
+    CUDA, through torch or CuPy: inputs N(0, 1), outputs NaN."""
+    out = {}
+    for role, desc in spec.tensors().items():
+        if framework == "torch":
+            torch = _torch()
+            t = torch.empty_strided(desc.shape, desc.strides, dtype=getattr(torch, desc.dtype), device="cuda")
+            out[role] = t.normal_() if role not in OUTPUT_ROLES else t.fill_(float("nan"))
+        else:
+            import cupy as cp
+
+            dtype = cp.dtype(desc.dtype)
+            extent = 1 + sum((n - 1) * st for n, st in zip(desc.shape, desc.strides))
+            flat = cp.empty(extent, dtype=dtype)
+            if role in OUTPUT_ROLES:
+                flat.fill(float("nan"))
+            else:
+                flat[...] = cp.random.standard_normal(extent, dtype=cp.float32)
+            out[role] = cp.ndarray(desc.shape, dtype, flat.data,
+                                   strides=tuple(dtype.itemsize * st for st in desc.strides))
+    return out
+
+
+def conv2d_reference(x, w, dy, *, bias=None, stride=1, padding=0) -> dict:
+    """float64 torch on the same (rounded) inputs: {"y": relu(conv(x, w) + bias), "dx", "dw"} of
+    conv(x, w) for the gradient dy."""
+    torch = _torch()
+    import torch.nn.functional as F
+
+    xd, wd = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    out = F.conv2d(xd, wd, stride=stride, padding=padding)
+    out.backward(dy.double())
+    pre = out.detach() if bias is None else out.detach() + bias.double().view(1, -1, 1, 1)
+    return {"y": torch.relu(pre), "dx": xd.grad, "dw": wd.grad}
+
+
+# -- fresh processes ----------------------------------------------------------------------------------
+
+def fresh_env(pycache=None, *, base: dict | None = None, drop_prefix: str | None = None, **variables) -> dict:
+    """The environment of a timed fresh process: `base` (default os.environ) less the variables starting
+    with `drop_prefix`, plus `variables`. With `pycache`, bytecode goes under that private prefix (written
+    by the first children; an installed package has its .pyc files, while a copied checkout or a read-only
+    site-packages would compile every import) and PYTHONDONTWRITEBYTECODE (set on some hosts) is removed."""
+    env = dict(os.environ if base is None else base)
+    if drop_prefix:
+        env = {k: v for k, v in env.items() if not k.startswith(drop_prefix)}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    env.update({k: str(v) for k, v in variables.items()})
+    return env
+
+
+def run_fresh(args: list[str], *, env: dict | None = None, timeout: float | None = None, json_lines: bool = True):
+    """Run `python *args` (e.g. ["-m", "benchmarks.cache", "--child"]) in the repository root; raise with
+    its stderr's tail if it fails. Returns its last stdout line as JSON (`json_lines`), else all stdout
+    parsed as JSON."""
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1] if json_lines else done.stdout)
+
+
+# -- output -------------------------------------------------------------------------------------------
+
+def _version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def metadata() -> dict:
+    """Where a result was measured: device, torch, cuDNN (torch's and the frontend's backend), the
+    library and CuPy versions, Python, the command line and the time. Works without a GPU (device None)."""
+    meta = {"device": None, "device_count": 0, "torch": None, "cuda": None, "cudnn_torch": None,
+            "cudnn_backend": None, "cudnn_frontend": _version("nvidia-cudnn-frontend"),
+            "cudnn_graphs": _version("cudnn-graphs"), "cupy": None, "python": platform.python_version(),
+            "argv": list(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        import torch
+
+        meta.update(torch=torch.__version__, cuda=torch.version.cuda)
+        if torch.cuda.is_available():
+            meta.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count(),
+                        cudnn_torch=torch.backends.cudnn.version())
+    except ImportError:
+        pass
+    if "cupy" in sys.modules:
+        meta["cupy"] = sys.modules["cupy"].__version__
+    if "cudnn" in sys.modules:  # the frontend's module; its backend_version loads libcudnn
+        try:
+            meta["cudnn_backend"] = sys.modules["cudnn"].backend_version()
+        except Exception:  # noqa: BLE001 - no libcudnn here
+            pass
+    return meta
+
+
+def write_json(path, result: dict) -> Path:
+    """Write `result` as indented JSON with a "meta" entry (`metadata()`) first; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": metadata(), **result}, indent=1, default=str))
+    return path
+
+
+def png(path, draw: Callable) -> Path | None:
+    """`draw(plt)` returns a matplotlib figure, saved at `path`; without matplotlib, a one-line note."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no {path}", file=sys.stderr)
+        return None
+    fig = draw(plt)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def bar_chart(path, groups: dict[str, dict[str, float]], *, title: str, ylabel: str,
+              baseline: float | None = None) -> Path | None:
+    """Grouped bars: one group a row (an entry point, a kernel call), one bar a series (ours, torch); a
+    series a group lacks leaves a gap. `baseline`: a horizontal line there (1.0 for speed-ups)."""
+    def draw(plt):
+        series = list(dict.fromkeys(s for bars in groups.values() for s in bars))
+        width = 0.8 / max(len(series), 1)
+        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(groups) + 2), 4.5))
+        for i, name in enumerate(series):
+            xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+            heights = [groups[g].get(name, float("nan")) for g in groups]
+            bars = ax.bar(xs, heights, width, label=name)
+            ax.bar_label(bars, labels=["" if math.isnan(h) else f"{h:.3g}" for h in heights], fontsize=7)
+        if baseline is not None:
+            ax.axhline(baseline, color="k", lw=0.8)
+        ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+        return fig
+
+    return png(path, draw)
+
+
+def title(result: dict, what: str) -> str:
+    """A plot title: what, on which device, with which torch."""
+    meta = result.get("meta", {})
+    device = result.get("device") or meta.get("device") or "?"
+    return f"{what}: {device}, torch {result.get('torch') or meta.get('torch') or '?'}"

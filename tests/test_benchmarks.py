@@ -1,0 +1,258 @@
+"""benchmarks/ and tools/ without a GPU: every module imports and answers --help, none edits sys.path or
+reaches into another script's private names, the curated results are where benchmarks/README.md says,
+none of it ships in the wheel, and the harness's pure parts (rounds, medians, ratios, metadata) work."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("benchmarks", "tools")
+GPUS = ("h100", "h200")
+NOT_CLIS = {"benchmarks.harness"}  # imported by the others, not run
+
+
+def _modules(folder: str) -> list[str]:
+    return sorted(f"{folder}.{p.stem}" for p in (ROOT / folder).glob("*.py") if p.stem != "__init__")
+
+
+MODULES = [m for folder in FOLDERS for m in _modules(folder)]
+BENCHMARKS = [m.split(".")[1] for m in _modules("benchmarks") if m not in NOT_CLIS]
+
+
+def _path(module: str) -> Path:
+    return ROOT / (module.replace(".", "/") + ".py")
+
+
+# --- every module runs as `python -m` without a GPU -----------------------------------------------------
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m not in NOT_CLIS])
+def test_help_runs_without_a_gpu(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    missing = re.search(r"No module named '(torch|cudnn|cupy)'", done.stderr)
+    if done.returncode and missing:
+        pytest.skip(f"{module} imports {missing.group(1)}, not installed here")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "usage" in done.stdout.lower()
+
+
+def test_the_harness_imports_without_torch_or_a_gpu():
+    """Importing the harness (and so any benchmark) touches neither torch nor CUDA."""
+    code = "import sys; import benchmarks.harness; assert 'torch' not in sys.modules, 'torch imported'"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# --- no sys.path edits, no reaching into another script's privates --------------------------------------
+
+def _script_names() -> set[str]:
+    return {p.stem for folder in FOLDERS for p in (ROOT / folder).glob("*.py")}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_sys_path_edits_nor_private_imports(module):
+    path = _path(module)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad = []
+    aliases = set()  # names bound to another module of benchmarks/ or tools/
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            bad.append(f"line {node.lineno}: sys.path")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                if top in _script_names() and top not in FOLDERS:
+                    bad.append(f"line {node.lineno}: imports the script {alias.name} as a top-level module")
+                if top in FOLDERS and alias.name != module:
+                    aliases.add(alias.asname or top)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top = node.module.split(".")[0]
+            if top in _script_names() and top not in FOLDERS:
+                bad.append(f"line {node.lineno}: imports from the script {node.module} as a top-level module")
+            if top in FOLDERS:
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        bad.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                    if f"{node.module}.{alias.name}" in MODULES:
+                        aliases.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            bad.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    assert not bad, f"{path.relative_to(ROOT)}: {bad}"
+
+
+# --- curated results and packaging ----------------------------------------------------------------------
+
+def test_results_are_one_per_benchmark_and_gpu_model():
+    results = ROOT / "benchmarks" / "results"
+    bad = []
+    for path in sorted(p for p in results.rglob("*") if p.is_file()):
+        rel = path.relative_to(results)
+        if len(rel.parts) != 2 or rel.parts[0] not in GPUS or path.stem not in BENCHMARKS \
+                or path.suffix not in (".json", ".png"):
+            bad.append(f"{rel}: not <gpu>/<benchmark>.json|png")
+            continue
+        if path.suffix == ".json":
+            data = json.loads(path.read_text())
+            device = data.get("device") or (data.get("meta") or {}).get("device")
+            if device and rel.parts[0].upper() not in device.upper():
+                bad.append(f"{rel}: measured on {device}")
+    assert not bad, bad
+
+
+def test_the_benchmarks_readme_names_every_benchmark_and_result():
+    text = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    missing = [name for name in BENCHMARKS if f"`{name}`" not in text]
+    missing += [str(p.relative_to(ROOT / "benchmarks")) for p in (ROOT / "benchmarks" / "results").rglob("*.json")
+                if str(p.relative_to(ROOT / "benchmarks")) not in text]
+    assert not missing, f"benchmarks/README.md does not name: {missing}"
+
+
+def test_the_tools_readme_indexes_every_probe():
+    text = (ROOT / "tools" / "README.md").read_text(encoding="utf-8")
+    missing = [m.split(".")[1] for m in _modules("tools") if f"`{m.split('.')[1]}`" not in text]
+    assert not missing, f"tools/README.md does not index: {missing}"
+
+
+def test_the_wheel_ships_neither_benchmarks_nor_tools():
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    include = re.search(r"\[tool\.setuptools\.packages\.find\]\s*include\s*=\s*\[([^\]]*)\]", text)
+    assert include, "pyproject.toml names the packages it ships (packages.find include)"
+    patterns = re.findall(r'"([^"]+)"', include.group(1))
+    shipped = [m for m in ("benchmarks", "benchmarks.harness", "tools", "tools.kernel_resources")
+               if any(fnmatch.fnmatchcase(m, p) for p in patterns)]
+    assert not shipped, shipped
+
+
+# --- the harness's pure parts ---------------------------------------------------------------------------
+
+def test_interleaved_alternates_and_keeps_medians():
+    order = []
+    samples = {"a": [1.0, 5.0, 3.0], "b": [10.0, 30.0, 20.0]}
+
+    def x(fn):
+        order.append(("x", fn()))
+        return samples[fn()].pop(0)
+
+    def y(fn):  # several samples in one round
+        order.append(("y", fn()))
+        return [1.0, 2.0] if fn() == "a" else [0.0, 0.0]
+
+    candidates = {"A": lambda: "a", "B": lambda: "b"}
+    got = harness.interleaved(candidates, {"x": x, "y": y}, rounds=3)
+    assert got == {"x": {"A": 3.0, "B": 20.0}, "y": {"A": 1.5, "B": 0.0}}  # medians of every round's samples
+    assert order[:4] == [("x", "a"), ("x", "b"), ("y", "a"), ("y", "b")]  # measure by measure, A then B
+    assert len(order) == 12
+    order.clear()
+    harness.interleaved(candidates, {"y": y, "z": lambda fn: order.append(("z", fn())) or 0.0}, rounds=1,
+                        by="candidate")
+    assert order == [("y", "a"), ("z", "a"), ("y", "b"), ("z", "b")]  # candidate by candidate
+    with pytest.raises(ValueError):
+        harness.interleaved(candidates, {"y": y}, rounds=1, by="time")
+
+
+def test_median_ratio_geomean():
+    assert harness.median([3.0, 1.0, 2.0]) == 2.0
+    assert math.isnan(harness.median([]))
+    assert harness.ratio(10.0, 4.0) == 2.5
+    assert math.isnan(harness.ratio(10.0, 0.0)) and math.isnan(harness.ratio(float("nan"), 1.0))
+    assert harness.geomean([1.0, 4.0]) == pytest.approx(2.0)
+    assert harness.geomean(x for x in (2.0, 8.0)) == pytest.approx(4.0)
+    assert math.isnan(harness.geomean([]))
+
+
+def test_metadata_and_json_shape(tmp_path):
+    meta = harness.metadata()
+    for key in ("device", "device_count", "torch", "cuda", "cudnn_torch", "cudnn_backend", "cudnn_frontend",
+                "cudnn_graphs", "cupy", "python", "argv", "date"):
+        assert key in meta, key
+    json.dumps(meta)  # serialisable as it is
+    path = harness.write_json(tmp_path / "sub" / "r.json", {"device": "X", "rows": [1, 2], "odd": Path("p")})
+    data = json.loads(path.read_text())
+    assert list(data)[0] == "meta" and data["rows"] == [1, 2] and data["device"] == "X" and data["odd"] == "p"
+    assert harness.title(data, "what").startswith("what: X, torch ")
+
+
+def test_fresh_env(monkeypatch):
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("CUDNN_GRAPHS_X", "1")
+    env = harness.fresh_env("/tmp/pyc", drop_prefix="CUDNN_GRAPHS_", A=1)
+    assert env["PYTHONPYCACHEPREFIX"] == "/tmp/pyc" and env["A"] == "1"
+    assert "PYTHONDONTWRITEBYTECODE" not in env and "CUDNN_GRAPHS_X" not in env
+    kept = harness.fresh_env(CUDA_CACHE_DISABLE="1")  # no pycache: bytecode settings as inherited
+    assert kept["PYTHONDONTWRITEBYTECODE"] == "1" and kept["CUDA_CACHE_DISABLE"] == "1"
+    assert harness.run_fresh(["-c", "print('x'); print('{\"a\": 1}')"]) == {"a": 1}
+    with pytest.raises(RuntimeError, match="boom"):
+        harness.run_fresh(["-c", "import sys; sys.exit('boom')"])
+
+
+def test_png_without_matplotlib_is_a_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert harness.bar_chart(tmp_path / "x.png", {"g": {"ours": 1.0}}, title="t", ylabel="y") is None
+    assert "matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plots_draw_from_stored_results(tmp_path):
+    """--plot-from redraws a stored result without a GPU (skips where matplotlib is not installed)."""
+    pytest.importorskip("matplotlib")
+    for name, gpu in (("calls", "h100"), ("fallback_calls", "h100"), ("models", "h200")):
+        out = tmp_path / f"{name}.png"
+        done = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--plot-from",
+                               str(ROOT / "benchmarks" / "results" / gpu / f"{name}.json"), "--plot", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert out.stat().st_size > 1000
+
+
+def test_correctness_helpers_on_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    from benchmarks.grid_sample import make_grid
+
+    x, w = torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    dy, b = torch.randn(2, 4, 6, 6), torch.randn(4)
+    want = harness.conv2d_reference(x, w, dy, bias=b, padding=1)
+    assert want["y"].dtype == torch.float64 and want["dx"].shape == x.shape and want["dw"].shape == w.shape
+    y = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+    assert harness.rel_err(y, want["y"]) < 1e-5
+    poisoned = harness.poisoned_like(y)
+    assert poisoned.shape == y.shape and torch.isnan(poisoned).all()
+    assert harness.rel_err(poisoned, want["y"]) == math.inf
+    grid = make_grid(3, (5, 7), "random", "float16", device="cpu", span=1.1)
+    assert grid.shape == (3, 5, 7, 2) and grid.dtype == torch.float16 and float(grid.abs().max()) <= 1.1
+    assert make_grid(2, (4, 4), "affine", torch.float32, device="cpu").shape == (2, 4, 4, 2)
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("readme", ["benchmarks/README.md", "tools/README.md"])
+def test_the_readmes_links_resolve(readme):
+    path = ROOT / readme
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text(encoding="utf-8")):
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve()
+        if not resolved.exists():
+            bad.append(f"{target} (no such file)")
+        elif anchor and resolved.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", resolved.read_text(encoding="utf-8"), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                bad.append(f"{target} (no such heading)")
+    assert not bad, f"{readme}: {bad}"

@@ -1,0 +1,1 @@
+"""Maintainer probes, run from the repository root as `python -m tools.<name>` (index: README.md here)."""
