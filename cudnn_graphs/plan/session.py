@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gpu_launch import driver
+from gpu_launch.memo import CallMemo
 
 from .. import config
 from ..cache import keep_stored, load_plan, open_remote, open_store, open_system_store, plan_to_record, rank
@@ -138,7 +139,8 @@ class Session:
         self._lock = threading.Lock()  # the memory LRU, the lock table and the counters
         self._spec_locks: dict[Any, threading.Lock] = {}
         self._build_lock = threading.Lock()
-        self._calls: dict = {}  # requests' memo: buffer geometry + params -> prepared call (requests.py)
+        # the request path's memo (requests.run_buffers): buffer geometry + params -> prepared call
+        self.calls = CallMemo(1024)
 
     @property
     def handle(self) -> Any:
@@ -201,7 +203,7 @@ class Session:
         with self._lock:
             plans = list(self._memory.values())
             self._memory.clear()
-            self._calls.clear()
+            self.calls.clear()
         resident.drop(plans)
         del plans
         gc.collect()  # plans sit in reference cycles: destroy them here, not in a later hot loop's collection

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_launch.activations import Activation, as_activation
+from gpu_launch.memo import CallMemo
 from gpu_launch.streams import capture_probe
 
 from .. import api
@@ -322,7 +323,7 @@ def _conv_bwd_filter_fake(x, dy, w_shape, stride, padding, dilation, groups, bia
 class _Config:
     """stride, padding (flat pre/post), dilation, groups, activation and beta of one conv, checked and
     normalised once, with the memos of its eager calls: a cheap key of the tensors and torch's flags ->
-    the prepared call (see `_Memo`). Shared by every call with equal arguments (`_config`)."""
+    the prepared call (see `_MEMO_SIZE`). Shared by every call with equal arguments (`_config`)."""
 
     __slots__ = ("stride", "padding", "dilation", "groups", "act", "act_param", "beta", "flat", "op_act",
                  "activate", "pre", "fwd", "dgrad", "wgrad")
@@ -336,7 +337,7 @@ class _Config:
         # Where act'(pre) cannot be read off the output, a gradient needs the conv without its activation.
         self.pre = None if _derivative_from_output(act) else _canonical(stride, padding, dilation, groups,
                                                                            Activation("identity"), beta)
-        self.fwd, self.dgrad, self.wgrad = _Memo(), _Memo(), _Memo()
+        self.fwd, self.dgrad, self.wgrad = CallMemo(_MEMO_SIZE), CallMemo(_MEMO_SIZE), CallMemo(_MEMO_SIZE)
 
     def fwd_params(self, residual: bool, tf32: bool) -> dict:
         return _params(self.stride, self.padding, self.dilation, self.groups, self.act, self.op_act[1], self.beta,
@@ -346,16 +347,14 @@ class _Config:
         return _bwd_params(self.stride, self.padding, self.dilation, self.groups, tf32)
 
 
-_CANONICAL: dict[tuple, _Config] = {}
+_CANONICAL = CallMemo(4096)  # a model has tens of distinct convs: a bound, not a working set
 
 
 def _canonical(stride: tuple, padding: tuple, dilation: tuple, groups: int, act: Activation, beta: float) -> _Config:
     key = (stride, padding, dilation, groups, act, beta)
     cfg = _CANONICAL.get(key)
     if cfg is None:
-        if len(_CANONICAL) >= 4096:  # a model has tens of distinct convs: a bound, not a working set
-            _CANONICAL.clear()
-        cfg = _CANONICAL[key] = _Config(stride, padding, dilation, groups, act, beta)
+        cfg = _CANONICAL.put(key, _Config(stride, padding, dilation, groups, act, beta))
     return cfg
 
 
@@ -406,18 +405,11 @@ _TORCH = "torch"  # a memo entry: cuDNN declined this graph; torch's convolution
 _ALIGN = 15  # cuDNN graphs declare 16-byte aligned tensors
 
 
-class _Memo(dict):
-    """key -> a prepared call (`requests._Call`), _SLOW or _TORCH. The key holds each tensor's shape,
-    strides, dtype and device, the extra shapes, and torch's TF32 and determinism flags: everything the
-    first call's checks read, so an equal key passes them alike (pointers' alignment is checked per call)."""
-
-    __slots__ = ()
-
-    def remember(self, key: tuple, entry: Any) -> Any:
-        if len(self) >= 64:  # a layer sees a few geometries; a loop of ever-new sizes must not grow it
-            self.clear()
-        self[key] = entry
-        return entry
+# A config's memos (fwd, dgrad, wgrad): key -> a prepared call (`requests._Call`), _SLOW or _TORCH. The
+# key holds each tensor's shape, strides, dtype and device, the extra shapes, and torch's TF32 and
+# determinism flags: everything the first call's checks read, so an equal key passes them alike
+# (pointers' alignment is checked per call). A layer sees a few geometries: 64 entries, cleared when full.
+_MEMO_SIZE = 64
 
 
 def _flags() -> tuple[bool, bool, bool, bool]:
@@ -433,15 +425,15 @@ def _geometry(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
+def _prepared(memo: CallMemo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
               what: str) -> Any:
     """The memo entry for a new key: the library's call (planned, buffers checked) where every tensor is
     a packed CUDA tensor of a supported dtype, else the general path, or torch's conv where cuDNN declines
     or torch's cuDNN is disabled."""
     if not torch._C._get_cudnn_enabled():  # torch.backends.cudnn.enabled = False: torch's non-cuDNN path
-        return memo.remember(key, _TORCH)
+        return memo.put(key, _TORCH)
     if not (packed and _ours(*(t for t in objs if t is not None))):
-        return memo.remember(key, _SLOW)
+        return memo.put(key, _SLOW)
     device = objs[0].get_device()
     session = _session(device)
     tuning_in_capture = session is not None and session.policy == "autotune" and torch.cuda.is_current_stream_capturing()
@@ -453,8 +445,8 @@ def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, ex
         call, _ = _requests.prepare_call(session, kind, objs, params, extra, torch._C._cuda_getCurrentRawStream(device))
     except UnsupportedGraphError as err:
         _declined_once(what, err)
-        return memo.remember(key, _TORCH)
-    return call if tuning_in_capture else memo.remember(key, call)
+        return memo.put(key, _TORCH)
+    return call if tuning_in_capture else memo.put(key, call)
 
 
 def _launch(call, ptrs: tuple, device: int) -> list:
