@@ -221,10 +221,8 @@ def _explicit(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> 
 
 
 def _smallest_input(dy, w, params: dict[str, Any], *, channels: int) -> tuple[int, ...]:
-    nd = len(dy) - 2
-    stride = geometry.per_dim("stride", params.get("stride", 1), nd, minimum=1)
-    dilation = geometry.per_dim("dilation", params.get("dilation", 1), nd, minimum=1)
-    pads = geometry.padding(params.get("padding", 0), nd=nd, stride=stride, dilation=dilation, filter_dims=w[2:])
+    stride, pads, dilation = geometry.conv_arguments(len(dy) - 2, params.get("stride", 1), params.get("padding", 0),
+                                                     params.get("dilation", 1), filter_dims=w[2:])
     spatial = tuple((o - 1) * s - pre - post + d * (k - 1) + 1
                     for o, s, (pre, post), d, k in zip(dy[2:], stride, pads, dilation, w[2:]))
     if any(v <= 0 for v in spatial):
@@ -240,7 +238,7 @@ def _filter_from_sizes(x, dy, params: dict[str, Any]) -> tuple[int, ...]:
     if any(s != 1 for s in stride) or isinstance(padding, str):
         raise SpecError("w_shape", None, "the filter size is ambiguous from x and dy with a stride or string "
                         "padding; pass dw or w_shape")
-    pads = geometry.padding(padding, nd=nd, stride=stride, dilation=dilation, filter_dims=(1,) * nd)
+    pads = geometry.padding_pairs(padding, nd=nd, stride=stride, dilation=dilation, filter_dims=(1,) * nd)
     span = [i + pre + post - o + 1 for i, o, (pre, post) in zip(x[2:], dy[2:], pads)]
     if any(v < 1 or (v - 1) % d for v, d in zip(span, dilation)):
         raise SpecError("w_shape", None, f"no filter maps x_shape={x} to dy_shape={dy}; pass dw or w_shape")

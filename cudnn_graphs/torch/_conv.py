@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +40,7 @@ from .. import api
 from .. import requests as _requests
 from ..errors import ShapeError, SpecError, UnsupportedGraphError
 from ..plan import default_session
+from ..spec import geometry
 from ..spec.geometry import strides_like_channels_last
 from ._activations import torch_activation
 from ._fallback import cpu_once
@@ -364,8 +364,16 @@ def _config(nd: int, stride: Any, padding: Any, dilation: Any, groups: Any, acti
     checked with errors naming the argument; repeated arguments cost one cache lookup."""
     try:
         return _config_cached(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
-    except TypeError:  # an unhashable spelling (a list): normalised each call, one shared config all the same
-        return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+    except TypeError:  # an unhashable spelling (a list): through the cache as tuples, which normalise alike
+        try:
+            return _config_cached(nd, _tupled(stride), _tupled(padding), _tupled(dilation), groups, activation, beta,
+                                  tuple(kernel))
+        except (TypeError, SpecError):  # normalised as spelled: the error names the value the caller passed
+            return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel) -> _Config:
@@ -373,16 +381,15 @@ def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel
 
 
 def _normalise(nd, stride, padding, dilation, groups, activation, beta, kernel) -> tuple:
-    """(stride, flat padding, dilation, groups, Activation, beta), checked, as tuples of ints."""
+    """(stride, flat padding, dilation, groups, Activation, beta), checked, as tuples of ints: the specs'
+    normaliser (`spec.geometry.conv_arguments`) under torch's rules, so both say the same of a bad value."""
     act = as_activation("activation", activation)
-    stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
-    flat = _flat_padding(padding, nd, stride, dilation, kernel)
-    count = _as_int(groups)
-    if count is None or count < 1:
-        raise SpecError("groups", groups, "expected an int >= 1")
+    stride, pairs, dilation = geometry.conv_arguments(nd, stride, padding, dilation, filter_dims=kernel,
+                                                      torch_rules=True)
+    count = geometry.groups(groups, torch_rules=True)
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise SpecError("beta", beta, "expected a number")
-    return tuple(stride), tuple(flat), tuple(dilation), count, act, float(beta)
+    return stride, tuple(p for pair in pairs for p in pair), dilation, count, act, float(beta)
 
 
 # typed: 2 and 2.0 hash alike, but only the int passed the checks
@@ -754,47 +761,6 @@ def _autocast(tensors: tuple, dtype: torch.dtype) -> tuple:
     already in it passes as is: `.to` calls that changed nothing took ~11 us of a layer's forward (H100
     host, tools/probe_autocast_layer.py)."""
     return tuple(t if t is None or t.dtype is dtype or t.dtype not in _CASTABLE else t.to(dtype) for t in tensors)
-
-
-def _as_int(value: Any) -> int | None:
-    """An integer as torch's argument parser takes one (numpy's too), else None; bools are not."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    # no try/except: dynamo (torch 2.11) cannot trace a TypeError raised by operator.index
-    return operator.index(value) if hasattr(type(value), "__index__") else None
-
-
-def _per_dim(name: str, value: Any, nd: int, *, minimum: int = 1) -> list[int]:
-    single = _as_int(value)
-    if single is not None:
-        values = [single] * nd
-    elif isinstance(value, (tuple, list)):  # torch.Size is a tuple
-        values = [_as_int(v) for v in value]
-        values = values * nd if len(values) == 1 else values
-    else:
-        values = []
-    if len(values) != nd or not all(v is not None and v >= minimum for v in values):
-        raise SpecError(name, value, f"expected an int >= {minimum} or {nd} of them")
-    return values
-
-
-def _flat_padding(padding: Any, nd: int, stride: list[int], dilation: list[int], kernel: Sequence[int]) -> list[int]:
-    """(pre, post) per spatial dim, flat; 'same' pads as torch does (the odd element after)."""
-    if isinstance(padding, str):
-        if padding == "valid":
-            return [0] * (2 * nd)
-        if padding != "same":
-            raise SpecError("padding", padding, "expected 'valid', 'same', an int or a tuple")
-        if any(s != 1 for s in stride):
-            raise SpecError("padding", padding, f"'same' is not supported for strided convolutions (stride={stride})")
-        out = []
-        for d, k in zip(dilation, kernel):
-            total = d * (int(k) - 1)
-            out += [total // 2, total - total // 2]
-        return out
-    return [p for v in _per_dim("padding", padding, nd, minimum=0) for p in (v, v)]
 
 
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None,
