@@ -90,7 +90,7 @@ def part_a(cache: str) -> dict:
     from gpu_launch import buffers, streams
 
     cg.conv_fwd(x, w, b, padding=1, activation="relu", session=session)
-    call = next(iter(session._calls.values()))
+    call = next(iter(session.calls.values()))
     launcher = call.launcher
     ptrs3 = (x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr())
     launcher.launch(ptrs3, s, lambda _: False), launcher.launch(ptrs3, s, lambda _: False)
@@ -115,7 +115,7 @@ def part_a(cache: str) -> dict:
         "stream_pointer(None, torch)": lambda: streams.stream_pointer(None, "torch", 0),
         "capture_probe torch (probe(s))": lambda: probe(s),
         "read_all(conv_fwd roles)": lambda: buffers.read_all(roles, objs, s),
-        "memo key + get": lambda: session._calls.get((requests.ConvFwdRequest, key_parts, tuple(params.items()),
+        "memo key + get": lambda: session.calls.get((requests.ConvFwdRequest, key_parts, tuple(params.items()),
                                                       tuple(map(type, params.values())), (), ())),
         "call.allocators[0]()": call.allocators[0],
         "launcher.launch (replay)": lambda: launcher.launch(ptrs3, s, probe),
@@ -193,8 +193,8 @@ def warm_child(cache: str, mode: str) -> dict:
         mark("import_cudnn")
     import cudnn_graphs as cg
     mark("import_cudnn_graphs")
-    from cudnn_graphs.plan import session as session_module
-    session_module._BACKEND_LOADS = mode != "fe"
+    from cudnn_graphs.plan import restore
+    restore._BACKEND_LOADS = mode != "fe"
     session = cg.Session(cache=cache)
     mark("Session()")
     session.handles.raw()

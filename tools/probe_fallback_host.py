@@ -52,7 +52,7 @@ def main() -> int:
     pieces = {
         "grid_sample f16 (whole call)": cases["grid_sample f16"],
         "memo key": lambda: gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False)),
-        "memo lookup": lambda: gs._lookup(key),
+        "memo lookup": lambda: gs._memo.get(key),
         "allocate the output": prep.outputs[0][1],
         "_run (patch + launch)": lambda: gs._run(prep.plan, "torch", 0, ptrs),
         "step (patch + Kernel.launch)": lambda: step(ptrs, stream),
@@ -74,7 +74,7 @@ def main() -> int:
     for act in ("identity", "relu", "gelu_tanh"):  # what each forward program holds
         gemm_bias_act(a, b, bias, activation=act)
         key, _ = gemm_act._memo_key((("a", a), ("b", b), ("bias", bias)), ("forward", act, True, False))
-        prog = gemm_act._lookup(key)
+        prog = gemm_act._memo.get(key)
         print(f"forward program {act}: {len(prog.steps)} steps, outputs {[n for n, _ in prog.outputs]}, "
               f"scratch {dict(prog.scratch)} ({prog.scratch_bytes} B)", flush=True)
     lt = next(p for g, p in gemm_act.cublaslt._PLANS.items() if g.epilogue == "GELU_AUX_BIAS" and g.dtype == "float16")

@@ -62,7 +62,7 @@ def _pieces(gs, host_us) -> None:
     torch.cuda.synchronize()
     gs.grid_sample_backward(go, x, grid)
     key = gs._memo_key((go, x, grid), options)
-    prep = gs._lookup(key)
+    prep = gs._memo.get(key)
     plan = prep.plan
     prog = gs._program(plan, 0)
     stream = stream_pointer(None, "torch", 0)
@@ -81,7 +81,7 @@ def _pieces(gs, host_us) -> None:
     pieces = {
         "whole call (f16 backward fast)": lambda: gs.grid_sample_backward(go, x, grid),
         "memo key (3 tensors)": lambda: gs._memo_key((go, x, grid), options),
-        "memo lookup": lambda: gs._lookup(key),
+        "memo lookup": lambda: gs._memo.get(key),
         "three data_ptr()": lambda: (go.data_ptr(), x.data_ptr(), grid.data_ptr()),
         "allocate grad_input": prep.outputs[0][1],
         "allocate grad_grid": prep.outputs[1][1],

@@ -38,7 +38,7 @@ def main() -> int:
         gs.grid_sample(x, grid)
         options = ("forward", "bilinear", "zeros", False)
         key, _ = gs._memo_key((x, grid), options)
-        prep = gs._lookup(key)
+        prep = gs._memo.get(key)
         (role, allocate), = prep.outputs
         out = allocate()
         stream = torch._C._cuda_getCurrentRawStream(x.get_device())
@@ -48,7 +48,7 @@ def main() -> int:
         cases = {
             "call": lambda: gs.grid_sample(x, grid),
             "torch F.grid_sample": lambda: F.grid_sample(x, grid, align_corners=False),
-            "memo key + lookup": lambda: gs._lookup(gs._memo_key((x, grid), options)[0]),
+            "memo key + lookup": lambda: gs._memo.get(gs._memo_key((x, grid), options)[0]),
             "allocate the output": allocate,
             "_launch (allocate + run)": lambda: gs._launch(prep, (x.data_ptr(), grid.data_ptr())),
             "_run (output made once)": lambda: gs._run(prep.plan, prep.framework, prep.device, ptrs),

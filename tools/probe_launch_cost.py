@@ -57,7 +57,7 @@ def main() -> int:
     x = torch.randn(8, 64, 128, 128, device="cuda")
     grid = torch.rand(8, 128, 128, 2, device="cuda") * 2.2 - 1.1
     gs.grid_sample(x, grid)
-    prep = gs._lookup(gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))[0])
+    prep = gs._memo.get(gs._memo_key((x, grid), ("forward", "bilinear", "zeros", False))[0])
     (_, allocate), = prep.outputs
     out = allocate()
     prog = gs._program(prep.plan, prep.device)

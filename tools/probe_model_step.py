@@ -65,7 +65,7 @@ def main() -> int:
             busy = not torch.cuda.current_stream().query()
             torch.cuda.synchronize()
         print(f"{name}: host {host_ms:.1f} ms per step with the GPU busy; GPU still busy after: {busy}")
-    launchers = [c.launcher for c in cg.default_session(0)._calls.values()]
+    launchers = [c.launcher for c in cg.default_session(0).calls.values()]
     before = sum(la.captures for la in launchers)
     print("capture on, again:", _alternate(steps, rounds=1, steps=10), "captures in those 10 steps of ours:",
           sum(la.captures for la in launchers) - before)

@@ -55,14 +55,14 @@ def main() -> int:
     for name, fn in _cases(torch, cg):
         fn()
         torch.cuda.synchronize()
-        captures = sum(c.launcher.captures for c in cg.default_session(0)._calls.values())
+        captures = sum(c.launcher.captures for c in cg.default_session(0).calls.values())
         torch.cuda._sleep(int(2e9))  # about a second of GPU time
         start = time.perf_counter()
         fn()
         took = time.perf_counter() - start
         busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
-        recorded = sum(c.launcher.captures for c in cg.default_session(0)._calls.values()) - captures
+        recorded = sum(c.launcher.captures for c in cg.default_session(0).calls.values()) - captures
         allowed = replay._behind_work
         rows[name] = {"host_ms": round(took * 1e3, 2), "gpu_busy_after": busy, "recorded": recorded,
                       "behind_work_still_allowed": allowed}
