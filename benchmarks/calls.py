@@ -89,7 +89,7 @@ def entry_points(*, rounds: int, calls: int) -> dict:
                            "capture_enabled": c.launcher.capture_enabled, "graphs": len(c.launcher._graphs),
                            "repointed_graphs": len(c.launcher._patched), "replays": c.launcher.replays,
                            "patching": c.launcher.patching}
-                          for c in session._calls.values()]
+                          for c in session.calls.values()]
     print(rows["_launchers"])
     return rows
 
@@ -159,7 +159,7 @@ def resnet50_step(*, batch: int, rounds: int, policy: str | None = None) -> dict
     out["convs"] = len(layers)
     from cudnn_graphs.plan import default_session
 
-    launchers = [c.launcher for c in (session or default_session(0))._calls.values()]
+    launchers = [c.launcher for c in (session or default_session(0)).calls.values()]
     out["policy"] = policy or "heuristics"
     out["launchers_capturing"] = sum(la.capture_enabled for la in launchers)
     out["launchers"] = len(launchers)

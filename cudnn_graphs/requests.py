@@ -11,6 +11,7 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 from gpu_launch import buffers as _buffers
+from gpu_launch.memo import CallMemo
 from gpu_launch.streams import allocate_like, capture_probe, stream_pointer, torch_allocator
 
 from .errors import BufferMismatchError, SpecError
@@ -19,8 +20,7 @@ from .spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec, geometry
 from .spec.specs import _ConvSpec
 
 
-_SPECS: dict[tuple, _ConvSpec] = {}
-_SPECS_SIZE = 512
+_SPECS = CallMemo(512)  # a training loop repeats a few geometries: a small memo, not a leak
 
 
 class _ConvRequest:
@@ -69,10 +69,7 @@ class _ConvRequest:
         key = (type(self), geometry_key, repr(sorted(self.params.items())), repr(self._extra()))
         spec = _SPECS.get(key)
         if spec is None:
-            spec = self._infer_spec()
-            if len(_SPECS) >= _SPECS_SIZE:
-                _SPECS.clear()  # a training loop repeats a few geometries: a small memo, not a leak
-            _SPECS[key] = spec
+            spec = _SPECS.put(key, self._infer_spec())
         return spec
 
     def _extra(self) -> tuple:
@@ -224,10 +221,8 @@ def _explicit(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> 
 
 
 def _smallest_input(dy, w, params: dict[str, Any], *, channels: int) -> tuple[int, ...]:
-    nd = len(dy) - 2
-    stride = geometry.per_dim("stride", params.get("stride", 1), nd, minimum=1)
-    dilation = geometry.per_dim("dilation", params.get("dilation", 1), nd, minimum=1)
-    pads = geometry.padding(params.get("padding", 0), nd=nd, stride=stride, dilation=dilation, filter_dims=w[2:])
+    stride, pads, dilation = geometry.conv_arguments(len(dy) - 2, params.get("stride", 1), params.get("padding", 0),
+                                                     params.get("dilation", 1), filter_dims=w[2:])
     spatial = tuple((o - 1) * s - pre - post + d * (k - 1) + 1
                     for o, s, (pre, post), d, k in zip(dy[2:], stride, pads, dilation, w[2:]))
     if any(v <= 0 for v in spatial):
@@ -243,7 +238,7 @@ def _filter_from_sizes(x, dy, params: dict[str, Any]) -> tuple[int, ...]:
     if any(s != 1 for s in stride) or isinstance(padding, str):
         raise SpecError("w_shape", None, "the filter size is ambiguous from x and dy with a stride or string "
                         "padding; pass dw or w_shape")
-    pads = geometry.padding(padding, nd=nd, stride=stride, dilation=dilation, filter_dims=(1,) * nd)
+    pads = geometry.padding_pairs(padding, nd=nd, stride=stride, dilation=dilation, filter_dims=(1,) * nd)
     span = [i + pre + post - o + 1 for i, o, (pre, post) in zip(x[2:], dy[2:], pads)]
     if any(v < 1 or (v - 1) % d for v, d in zip(span, dilation)):
         raise SpecError("w_shape", None, f"no filter maps x_shape={x} to dy_shape={dy}; pass dw or w_shape")
@@ -262,7 +257,6 @@ class _Call(NamedTuple):
     sources: tuple[tuple[bool, int], ...]  # per returned output: (allocated here?, index)
 
 
-_CALLS_SIZE = 1024
 _ONE_NEW = ((True, 0),)  # the common result: one output, allocated here
 
 
@@ -285,19 +279,18 @@ def run_buffers(kind: type, objs: tuple, params: dict[str, Any], extra: tuple, *
     key_parts, ptrs, owners = _buffers.read_all(kind.roles, objs, stream_ptr)
     if is_torch and not key_parts[-1]:  # a view at an offset cuDNN's 16-byte alignment does not allow
         return _realigned(kind, objs, params, extra, session=session, stream=stream, stream_ptr=stream_ptr)
+    calls = session.calls  # the session's memo: its plans are in the prepared calls
     try:  # the values' types ride along: a memo hit must not let 1.0 or True pass where 1 was checked
         key = (kind, key_parts, tuple(params.items()), tuple(map(type, params.values())), extra,
                tuple(map(type, extra)))
-        call = session._calls.get(key)
+        call = calls.get(key)
     except TypeError:  # an unhashable value (a list, a dict): the same key, spelled hashably
         key = (kind, key_parts, _hashable(params), _hashable(extra))
-        call = session._calls.get(key)
+        call = calls.get(key)
     new: list = []
     if call is None:
         call, new = prepare_call(session, kind, objs, params, extra, stream_ptr)
-        if len(session._calls) >= _CALLS_SIZE:
-            session._calls.clear()
-        session._calls[key] = call
+        calls.put(key, call)
     else:
         new = [allocate() for allocate in call.allocators]
     if new:
@@ -357,8 +350,7 @@ def prepare_call(session, kind: type, objs: tuple, params: dict[str, Any], extra
     buffers = {role: b for role, b in request.buffers.items() if b is not None}
     buffers.update(zip(missing, new))
     plan = session.plan(spec, buffers=buffers if session.autotune_inputs == "request" else None)
-    framework, _, infos = plan._describe(buffers, stream_ptr)
-    plan._check(buffers, infos)
+    framework = plan.check_buffers(buffers, stream_ptr)
     roles = tuple(r for r in kind.roles if request.buffers.get(r) is not None) + tuple(missing)
     sources = tuple((True, missing.index(r)) if r in missing else (False, kind.roles.index(r))
                     for r in kind.output_roles if r in descs)

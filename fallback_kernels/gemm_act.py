@@ -47,6 +47,7 @@ from gpu_launch.activations import ACTIVATIONS, Activation, as_activation
 from gpu_launch.buffers import BufferInfo, describe, torch_tensor_type
 from gpu_launch.dlpack import contiguous_strides
 from gpu_launch.errors import BufferMismatchError, SpecError
+from gpu_launch.memo import ThreadMemo
 from gpu_launch.replay import Replay
 from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, external_stream, stream_pointer,
                                 torch_allocator)
@@ -559,8 +560,8 @@ _i32, _i64, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 # ---------------------------------------------------------------------------------------- the memo
 
-_memo = threading.local()  # .programs: key -> _Program of this thread (a driver.Kernel is one thread's)
 MEMO_SIZE = 1024
+_memo = ThreadMemo(MEMO_SIZE)  # key -> _Program, per thread: a program's driver.Kernel is one thread's
 
 
 def _memo_key(objs: tuple, options: tuple) -> tuple[tuple | None, dict]:
@@ -582,34 +583,6 @@ def _memo_key(objs: tuple, options: tuple) -> tuple[tuple | None, dict]:
     return tuple(parts), ptrs
 
 
-def _programs() -> dict:
-    held = getattr(_memo, "programs", None)
-    if held is None:
-        held = _memo.programs = {}
-    return held
-
-
-def _lookup(key: tuple | None) -> _Program | None:
-    if key is None:
-        return None
-    try:
-        return _programs().get(key)
-    except TypeError:  # an unhashable option: the checked path says what is wrong with it
-        return None
-
-
-def _remember(key: tuple | None, prog: _Program) -> None:
-    if key is None:
-        return
-    held = _programs()
-    if len(held) >= MEMO_SIZE:
-        held.clear()
-    try:
-        held[key] = prog
-    except TypeError:  # an unhashable option that passed the checks (a list for `need`): not kept
-        pass
-
-
 # ------------------------------------------------------------------------------------------- forward
 
 
@@ -624,7 +597,10 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
     """
     options = ("forward", activation, save_for_backward, allow_tf32)
     key, ptrs = _memo_key((("a", a), ("b", b), ("bias", bias)), options)
-    prog = _lookup(key)
+    try:
+        prog = _memo.get(key)
+    except TypeError:  # an unhashable option: the checked path says what is wrong with it
+        prog = None
     if prog is None:
         act = _activation(activation)
         ops = _Operands(a, b)
@@ -632,7 +608,7 @@ def gemm_bias_act(a: Any, b: Any, bias: Any = None, *, activation: Any, save_for
             ops.check("bias", ops.add("bias", bias), shape=(ops.n,))
         ptrs = ops.given()
         prog = _forward_program(ops, a, act, bool(save_for_backward), bool(allow_tf32))
-        _remember(key, prog)
+        _memo.put(key, prog)  # not kept for an unhashable option that passed the checks
     return _execute(prog, ptrs, {}, stream)
 
 
@@ -751,7 +727,10 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
     options = ("backward", activation, need, accumulate, allow_tf32, chunks)
     key, ptrs = _memo_key((("dy", dy), ("a", a), ("b", b), ("aux", aux), ("da", da), ("db", db), ("dbias", dbias)),
                           options)
-    prog = _lookup(key)
+    try:
+        prog = _memo.get(key)
+    except TypeError:  # an unhashable option: the checked path says what is wrong with it
+        prog = None
     if prog is None:
         act = _activation(activation)
         need = _need(need)
@@ -763,7 +742,7 @@ def gemm_bias_act_backward(dy: Any, a: Any, b: Any, aux: Any, *, activation: Any
             return None, None, None
         ptrs = ops.given()
         prog = _backward_program(ops, a, act, need, bool(accumulate), bool(allow_tf32), chunks or 1)
-        _remember(key, prog)
+        _memo.put(key, prog)  # an unhashable option that passed the checks (a list for `need`): not kept
     given = {name: obj for name, obj in (("da", da), ("db", db), ("dbias", dbias)) if obj is not None}
     return _execute(prog, ptrs, given, stream)
 

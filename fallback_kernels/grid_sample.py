@@ -51,6 +51,7 @@ import numpy as np
 from gpu_launch import driver
 from gpu_launch.buffers import describe, torch_tensor_type
 from gpu_launch.errors import BufferMismatchError, SpecError
+from gpu_launch.memo import CallMemo
 from gpu_launch.replay import Replay
 from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, external_stream, stream_pointer,
                                 torch_allocator)
@@ -928,7 +929,10 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
     The result is in the input's framework and memory format (channels-last in, channels-last out).
     """
     key, ptrs = _memo_key((input, grid), ("forward", mode, padding_mode, align_corners))
-    prep = _lookup(key)
+    try:
+        prep = _memo.get(key)
+    except TypeError:  # an unhashable option: the checked path says what is wrong with it
+        prep = None
     if prep is not None:
         return _launch(prep, ptrs)[0]
     check_options(mode, padding_mode, align_corners)  # bad option names fail before any buffer is touched
@@ -936,7 +940,7 @@ def grid_sample(input: Any, grid: Any, *, mode: str = "bilinear", padding_mode: 
     framework, device = _check_same_place({"input": inp, "grid": gr})
     plan = _forward_plan(device, _key(inp), _key(gr), mode, padding_mode, bool(align_corners), _tuning_key())
     prep = _prepared(plan, framework, device, {"output": input})
-    _remember(key, prep)
+    _memo.put(key, prep)
     return _launch(prep, (inp.ptr, gr.ptr))[0]
 
 
@@ -951,7 +955,10 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
     """
     options = ("backward", mode, padding_mode, align_corners, input_requires_grad, grid_requires_grad, deterministic)
     key, ptrs = _memo_key((grad_output, input, grid), options)
-    prep = _lookup(key)
+    try:
+        prep = _memo.get(key)
+    except TypeError:  # an unhashable option: the checked path says what is wrong with it
+        prep = None
     if prep is None:
         check_options(mode, padding_mode, align_corners)
         go, inp, gr = describe(grad_output, "grad_output"), describe(input, "input"), describe(grid, "grid")
@@ -959,7 +966,7 @@ def grid_sample_backward(grad_output: Any, input: Any, grid: Any, *, mode: str =
         plan = _backward_plan(device, _key(go), _key(inp), _key(gr), mode, padding_mode, bool(align_corners),
                               bool(input_requires_grad), bool(grid_requires_grad), bool(deterministic), _tuning_key())
         prep = _prepared(plan, framework, device, {"grad_input": input, "grad_grid": grid})
-        _remember(key, prep)
+        _memo.put(key, prep)
         ptrs = (go.ptr, inp.ptr, gr.ptr)
     results = dict(zip((role for role, _ in prep.outputs), _launch(prep, ptrs)))
     return results.get("grad_input"), results.get("grad_grid")
@@ -1001,7 +1008,7 @@ def _launch(prep: _Prepared, inputs: tuple) -> list:
     return results
 
 
-_memo: dict = {}  # _memo_key -> _Prepared, for torch tensors (what the checks and the plan depend on)
+_memo = CallMemo(1024)  # _memo_key -> _Prepared, for torch tensors (what the checks and the plan depend on)
 _memo_tuning: list = [None]  # the TUNING the memo was filled under: plans depend on it
 
 
@@ -1024,25 +1031,6 @@ def _memo_key(objs: tuple, options: tuple) -> tuple[tuple | None, tuple]:
         _memo.clear()
         _memo_tuning[0] = copy.deepcopy(TUNING)
     return key, tuple(ptrs)
-
-
-def _lookup(key: tuple | None) -> _Prepared | None:
-    try:
-        return _memo.get(key) if key is not None else None
-    except TypeError:  # an unhashable option: the checked path says what is wrong with it
-        return None
-
-
-def _remember(key: tuple | None, prep: _Prepared) -> None:
-    if key is None:
-        return
-    try:
-        hash(key)
-    except TypeError:
-        return
-    if len(_memo) >= 1024:
-        _memo.clear()
-    _memo[key] = prep
 
 
 def _ptr(obj: Any) -> int:

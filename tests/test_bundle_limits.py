@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from cudnn_graphs import ConvFwdSpec, Session, signature
-from cudnn_graphs.cache import records
+from cudnn_graphs.plan import restore
 from cudnn_graphs.environment import Environment
 from plan_cache import CorruptRecordError, PlanRecord, PlanStore
 from plan_cache import record as record_mod
@@ -115,5 +115,5 @@ def test_a_blob_holding_more_than_its_parts_is_refused_on_load(caplog):
     blob = msgpack.packb([b"plan"] + [b""] * 100_000, use_bin_type=True)  # one part; 100k empty bins after it
     record = PlanRecord(key=signature(SPEC, ENV), blob=blob, meta=_meta(created=time.time()))
     with caplog.at_level(logging.WARNING, logger="cudnn_graphs"):
-        assert records.load_plan(record, spec=SPEC, session=Session(cache=False)) is None
+        assert restore.load_plan(record, spec=SPEC, session=Session(cache=False)) is None
     assert "unusable" in caplog.text and "max_array_len" in caplog.text

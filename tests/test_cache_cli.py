@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from cudnn_graphs import cache_cli
-from cudnn_graphs.cache_cli import add_cache_parser, human_bytes, parse_size, run_cache
+from cudnn_graphs.cli import cache as cache_cli
+from cudnn_graphs.cli.cache import add_cache_parser, human_bytes, parse_size, run_cache
 from cudnn_graphs.environment import Environment
 from plan_cache import FORMAT_VERSION, PlanRecord, PlanStore
 

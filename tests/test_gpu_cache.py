@@ -60,7 +60,7 @@ def test_backend_and_frontend_loads_compute_the_same_bits(warm_cache, monkeypatc
     """The backend's plan from the stored JSON and the frontend's deserialized graph run one engine."""
     import torch
 
-    from cudnn_graphs.plan import session as session_module
+    from cudnn_graphs.plan import restore
 
     from . import gpu_reference as ref
 
@@ -70,7 +70,7 @@ def test_backend_and_frontend_loads_compute_the_same_bits(warm_cache, monkeypatc
         inputs = {r: ref.random(d) for r, d in spec.tensors().items() if r not in outputs}
         results = []
         for backend in (True, False):
-            monkeypatch.setattr(session_module, "_BACKEND_LOADS", backend)
+            monkeypatch.setattr(restore, "_BACKEND_LOADS", backend)
             session = _session(root)
             plan = session.plan(spec)
             assert session.stats()["disk_hits"] == 1

@@ -70,3 +70,14 @@ def test_imports_go_one_way():
     assert _importers("fallback_kernels", ("cudnn_graphs", "plan_cache")) == {}
     assert _importers("plan_cache", ("cudnn_graphs", "fallback_kernels", "gpu_launch")) == {}
     assert _importers("cudnn_graphs/cache", ("cudnn_graphs.plan", "cudnn_graphs.torch", "cudnn_graphs.api")) == {}
+
+
+def test_the_cache_layer_never_calls_into_a_session():
+    """cudnn_graphs/cache/ reads records into data (`read_plan`); the plan layer (`plan/restore.py`) makes
+    the Plan from the session's public side. Neither reaches into Session privates."""
+    for path in sorted((ROOT / "cudnn_graphs" / "cache").rglob("*.py")):
+        text = path.read_text()
+        for private in ("session._", "._restore_part", "._new_plan", "._require_gpu", "._notes_source"):
+            assert private not in text, f"{path.relative_to(ROOT)} calls {private}"
+    restore = (ROOT / "cudnn_graphs" / "plan" / "restore.py").read_text()
+    assert not re.search(r"session\._", restore), "plan/restore.py reads a Session private"

@@ -158,7 +158,7 @@ def test_a_recording_that_cannot_write_warns_once_and_never_raises(tmp_path, cap
 
 
 def test_devices_are_all_or_distinct_visible_ordinals():
-    from cudnn_graphs.warmup import parse_devices
+    from cudnn_graphs.cli.warmup import parse_devices
 
     assert parse_devices("all", count=4) == [0, 1, 2, 3]
     assert parse_devices("ALL", count=2) == [0, 1]
@@ -171,7 +171,7 @@ def test_devices_are_all_or_distinct_visible_ordinals():
 
 
 def test_warmup_devices_without_a_gpu_is_one_clear_message(capsys, monkeypatch):
-    from cudnn_graphs import warmup
+    from cudnn_graphs.cli import warmup
 
     monkeypatch.setattr(warmup, "parse_devices", lambda text: [0, 1])
     import sys
@@ -187,8 +187,8 @@ def test_specs_spread_over_worker_processes_and_every_outcome_comes_back(tmp_pat
     (NoGpuError inside the worker), and the parent still gets one outcome per spec, counted per worker."""
     from types import SimpleNamespace
 
-    from cudnn_graphs.warmup import SpecSource
-    from cudnn_graphs.warmup_devices import plan_on_devices
+    from cudnn_graphs.cli.warmup import SpecSource
+    from cudnn_graphs.cli.warmup_devices import plan_on_devices
 
     specs = [cg.ConvFwdSpec((2, 8, 9, 9), (4, 8, 3, 3), padding=p) for p in range(6)]
     sources = [SpecSource(f"test:{i}", s) for i, s in enumerate(specs)]
@@ -208,7 +208,7 @@ def test_a_long_warmup_lets_go_of_the_plans_it_stored(monkeypatch):
     releases what it stored every RELEASE_EVERY specs instead of holding them all."""
     from types import SimpleNamespace
 
-    from cudnn_graphs import warmup
+    from cudnn_graphs.cli import warmup
 
     released = []
     fake = SimpleNamespace(counters=lambda: dict.fromkeys(("autotuned", "builds", "rebuilds_from_heuristics"), 0),
@@ -225,7 +225,7 @@ def test_devices_draw_the_largest_convolutions_first():
     """`warmup --devices` queues specs by size, largest first, so no GPU is left timing a large one alone
     at the end while the others idle."""
     from cudnn_graphs import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec
-    from cudnn_graphs.warmup_devices import _work
+    from cudnn_graphs.cli.warmup_devices import _work
 
     small = ConvFwdSpec((2, 8, 8, 8), (8, 8, 1, 1))
     large = ConvFwdSpec((2, 64, 32, 32), (64, 64, 3, 3), padding=1)
@@ -236,7 +236,7 @@ def test_devices_draw_the_largest_convolutions_first():
 
 def test_dry_run_lines_name_the_batchnorm_fusions():
     """Specs that differ only in their prologue or statistics print different dry-run lines."""
-    from cudnn_graphs.warmup import describe_spec
+    from cudnn_graphs.cli.warmup import describe_spec
 
     plain = cg.ConvFwdSpec((8, 64, 16, 16), (32, 64, 3, 3), padding=1, dtype="float16", layout="NHWC")
     lines = {describe_spec(s) for s in (plain, plain.replace(stats=True), plain.replace(prologue="scale_bias_relu"),
@@ -251,6 +251,6 @@ def test_the_warmup_modules_import_one_way():
 
     import cudnn_graphs
 
-    src = pathlib.Path(cudnn_graphs.__file__).parent / "warmup_devices.py"
+    src = pathlib.Path(cudnn_graphs.__file__).parent / "cli" / "warmup_devices.py"
     imported = {node.module for node in ast.walk(ast.parse(src.read_text())) if isinstance(node, ast.ImportFrom)}
     assert "warmup" not in imported and "warmup_plan" in imported

@@ -8,13 +8,25 @@ from ..environment import Environment
 
 # Planning rules that changed which plan a spec gets, {name: version}: a stored record planned before a rule
 # (or under an older version of it) is built anew and replaced, even if autotuned; other records stay valid.
-# Bump a rule's version when its choice changes; add one for a new rule (plan.session.plan_rules applies them).
+# Bump a rule's version when its choice changes; add one for a new rule (`plan_rules` below applies them).
 PLAN_RULES = {"depthwise_fwd_epilogue_unfused": 1}
 
 AUTOTUNE = "autotune"
 HEURISTICS = "heuristics"
 # Session flags ride in the fingerprint too, but a record built under other flags is still for this machine.
 SESSION_FLAGS = ("deterministic", "allow_tf32")
+
+
+def plan_rules(spec) -> dict[str, int]:
+    """The PLAN_RULES that decide `spec`'s plan (stored in its record, checked when the record loads)."""
+    if depthwise_fwd(spec) and spec.has_epilogue:
+        return {"depthwise_fwd_epilogue_unfused": PLAN_RULES["depthwise_fwd_epilogue_unfused"]}
+    return {}
+
+
+def depthwise_fwd(spec) -> bool:
+    """A forward conv with one input channel per group and several groups."""
+    return spec.op == "conv_fwd" and spec.groups > 1 and spec.w_shape[1] == 1
 
 
 def rank(meta: dict) -> int:

@@ -1,4 +1,4 @@
-"""A built plan as a `plan_cache.PlanRecord`, and back.
+"""A built plan as a `plan_cache.PlanRecord`, and back as data (`read_plan`; `plan/restore.py` makes the Plan).
 
 blob: msgpack list with one serialized cuDNN execution plan per cuDNN part (None where the engine
 cannot serialize) and the cubin of each fallback-kernel part. meta: everything needed to rebuild without heuristics (engine id + knobs per part),
@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 from .._version import __version__
-from ..errors import NoGpuError
 from ..spec import TensorDesc, spec_from_dict
-from .policy import rules_behind, rules_of
+from .policy import plan_rules, rules_behind, rules_of
 
 # A part whose numerical notes nobody asked for yet (probing costs heuristics queries).
 UNPROBED = "unprobed"
@@ -27,6 +26,8 @@ RECORD_SCHEMA = 1
 
 
 class LoadOutcome(NamedTuple):
+    """What loading a record gave (`plan/restore.load_plan`)."""
+
     plan: Any
     path: str  # "disk": every blob loaded; "knobs": some part rebuilt from its engine id + knobs
     rewrite: bool  # the record should be written again (a part was rebuilt)
@@ -81,15 +82,24 @@ def _serialize(part) -> bytes | None:
         return None
 
 
-def load_plan(record, *, spec, session) -> LoadOutcome | None:
-    """The plan in `record` for `spec`, or None when it does not fit (the caller builds anew).
+class StoredPlan(NamedTuple):
+    """A record's plan as data, checked to be `spec`'s under today's rules: what the plan layer
+    (`plan/restore.py`) turns back into a Plan on a GPU."""
 
-    Each cuDNN part is deserialized; a blob cuDNN refuses is rebuilt from its engine id + knobs.
-    """
+    key: str
+    spec: Any
+    meta: dict
+    blobs: list  # by each part's blob_index: a serialized cuDNN plan (None where it cannot serialize) or a cubin
+    intermediates: dict  # role -> TensorDesc
+
+
+def read_plan(record, *, spec) -> StoredPlan | None:
+    """The plan in `record` as data, or None when it does not fit `spec` (the caller builds anew): another
+    schema or spec, older planning rules, or a blob that does not unpack (logged)."""
     meta = record.meta
     if meta.get("schema") != RECORD_SCHEMA or _spec_of(meta) != spec:
         return None
-    rules = session.plan_rules(spec)
+    rules = plan_rules(spec)
     if rules_behind(meta, rules):
         log.info("plan record %s was planned under older rules (%s, now %s); building anew", record.key[:16],
                  rules_of(meta), rules)
@@ -97,19 +107,15 @@ def load_plan(record, *, spec, session) -> LoadOutcome | None:
     try:
         blobs = msgpack.unpackb(record.blob, raw=False, **_blob_limits(meta))
         intermediates = {role: TensorDesc(tuple(s), tuple(st), dt) for role, (s, st, dt) in meta["intermediates"].items()}
-        restored = [session._restore_part(spec, meta, i, entry, blobs, intermediates)
-                    for i, entry in enumerate(meta["parts"])]
-    except NoGpuError:  # the machine, not the record: say so, and keep the record
-        raise
-    except Exception as err:  # a record that passed its checksum but does not fit this code or this GPU
-        log.warning("plan record %s unusable (%s); building anew", record.key[:16], err)
+    except Exception as err:  # a record that passed its checksum but does not fit this code
+        unusable(record, err)
         return None
-    parts = tuple(p for p, _ in restored)
-    rebuilt = any(how == "knobs" for _, how in restored)
-    plan = session._new_plan(spec, record.key, fused=bool(meta["fused"]), parts=parts, intermediates=intermediates,
-                             acc_dtype=meta.get("acc_dtype"), build_ms=0.0,
-                             chosen_by=str(meta.get("chosen_by", "heuristics")))
-    return LoadOutcome(plan, "knobs" if rebuilt else "disk", rebuilt)
+    return StoredPlan(record.key, spec, meta, blobs, intermediates)
+
+
+def unusable(record, err: Exception) -> None:
+    """Say that `record` passed its checksum but does not fit this code or this GPU."""
+    log.warning("plan record %s unusable (%s); building anew", record.key[:16], err)
 
 
 def _blob_limits(meta: dict) -> dict[str, int]:

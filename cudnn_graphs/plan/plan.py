@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from gpu_launch import buffers as _buffers
+from gpu_launch.memo import CallMemo
 from gpu_launch.streams import allocate, capture_probe, stream_pointer
 
 from ..cache.records import UNPROBED
@@ -177,7 +178,8 @@ class Plan:
     build_ms: float = 0.0
     chosen_by: str = "heuristics"  # or "autotune": timed against every candidate
     _scratch: dict = field(default_factory=dict, repr=False)  # (stream, framework) -> (owners, ptrs)
-    _checked: dict = field(default_factory=dict, repr=False)  # execute()'s memo: what was checked -> Launcher
+    # execute()'s memo: what was checked -> Launcher; geometries that keep changing clear it, not grow it
+    _checked: CallMemo = field(default_factory=lambda: CallMemo(_CHECKED_CACHE_SIZE), repr=False)
     _launchers: dict = field(default_factory=dict, repr=False)  # (roles, framework) -> Launcher
 
     def __post_init__(self) -> None:
@@ -232,13 +234,15 @@ class Plan:
         del owners  # DLPack exports stay alive until the work is queued
 
     def _checked_launcher(self, key: tuple, buffers: dict, roles: tuple, stream_ptr: int) -> Launcher:
-        framework, _, infos = self._describe(buffers, stream_ptr)
+        return self._checked.put(key, self.launcher(roles, self.check_buffers(buffers, stream_ptr)))
+
+    def check_buffers(self, buffers: dict[str, Any], stream: Any) -> str:
+        """Refuse, with a typed error, buffers that do not fit this plan (a role it lacks or needs, shape,
+        dtype, strides, device, alignment); returns their framework. A caller that memoises launchers
+        (`requests.prepare_call`) runs this once per key."""
+        framework, _, infos = self._describe(buffers, stream)
         self._check(buffers, infos)
-        launcher = self.launcher(roles, framework)
-        if len(self._checked) >= _CHECKED_CACHE_SIZE:
-            self._checked.clear()  # geometries that keep changing: a small memo, not a leak
-        self._checked[key] = launcher
-        return launcher
+        return framework
 
     def launcher(self, roles: tuple[str, ...], framework: str) -> Launcher:
         """The launcher taking pointers in `roles` order; scratch from `framework`'s allocator."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cache.policy import SESSION_FLAGS, for_machine, rules_behind, rules_of
-from ..cache.records import _spec_of, load_plan
+from ..cache.policy import SESSION_FLAGS, for_machine, plan_rules, rules_behind, rules_of
+from ..cache.records import _spec_of
 from ..environment import environment
-from .session import Session, plan_rules
+from .restore import load_plan
+from .session import Session
 
 
 def verify_load(record: Any, *, device: int = 0, sessions: dict | None = None) -> tuple[str, str]:

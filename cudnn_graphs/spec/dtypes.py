@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fallback_kernels.types import ITEMSIZE  # noqa: F401  one dtype table for the kernels and the specs
+
 from ..errors import SpecError
 
 FLOAT16 = "float16"
@@ -12,7 +14,6 @@ FLOAT32 = "float32"
 FLOAT64 = "float64"
 
 IO_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
-ITEMSIZE = {FLOAT16: 2, BFLOAT16: 2, FLOAT32: 4, FLOAT64: 8}
 
 _ALIASES = {
     "float16": FLOAT16, "half": FLOAT16, "fp16": FLOAT16, "f16": FLOAT16,

@@ -7,6 +7,7 @@ whatever the memory layout; layouts only decide strides.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Iterable, Mapping
 
 from ..errors import SpecError
@@ -60,51 +61,97 @@ def shape(field: str, value: Any, *, rank: int | None = None) -> tuple[int, ...]
     return dims
 
 
-def per_dim(field: str, value: Any, nd: int, *, minimum: int) -> tuple[int, ...]:
-    """An int or one int per spatial dim (stride, dilation)."""
-    items = (value,) * nd if _is_int(value) else _sequence(field, value, nd)
-    if not all(_is_int(v) for v in items):
-        raise SpecError(field, value, f"expected an int or {nd} ints")
-    items = tuple(int(v) for v in items)
-    if any(v < minimum for v in items):
-        raise SpecError(field, value, f"every value must be >= {minimum}")
-    _bounded(field, value, items)
+# -- the conv arguments: stride, padding, dilation, groups -------------------------------------------
+# One normaliser and one set of messages for every entry point: the specs (and so the requests and the
+# functional helpers) and the torch layer, which passes torch_rules=True for the spellings torch's
+# convolutions take: any integer (an object with __index__: numpy's, a SymInt), a tuple or list of one
+# value for every dim, and only symmetric padding (torch pads both sides alike). Under torch's rules
+# values beyond int32 pass here: torch's own convolution takes them, and the spec refuses them when a
+# CUDA call builds one.
+
+def conv_arguments(nd: int, stride: Any, padding: Any, dilation: Any, *, filter_dims: tuple[int, ...],
+                   torch_rules: bool = False) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """(stride, padding as (pre, post) per spatial dim, dilation), checked in that order."""
+    stride = per_dim("stride", stride, nd, minimum=1, torch_rules=torch_rules)
+    dilation = per_dim("dilation", dilation, nd, minimum=1, torch_rules=torch_rules)
+    pads = padding_pairs(padding, nd=nd, stride=stride, dilation=dilation, filter_dims=filter_dims,
+                         torch_rules=torch_rules)
+    return stride, pads, dilation
+
+
+def per_dim(field: str, value: Any, nd: int, *, minimum: int, torch_rules: bool = False) -> tuple[int, ...]:
+    """An int or one int per spatial dim (stride, dilation, explicit strides), each >= `minimum`."""
+    single = _integer(value, torch_rules)
+    items = (single,) * nd if single is not None else _sequence(value, nd, torch_rules)
+    if single is None and len(items) == nd:
+        items = tuple([_integer(v, torch_rules) for v in items])
+    if len(items) != nd or not all(v is not None and v >= minimum for v in items):
+        raise SpecError(field, value, f"expected an int >= {minimum} or {nd} of them")
+    if not torch_rules:
+        _bounded(field, value, items)
     return items
 
 
-def _sequence(field: str, value: Any, nd: int) -> tuple:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise SpecError(field, value, f"expected an int or a sequence of {nd}")
-    items = tuple(value)
-    if len(items) != nd:
-        raise SpecError(field, value, f"expected {nd} values, one per spatial dim")
-    return items
+def groups(value: Any, *, torch_rules: bool = False) -> int:
+    count = _integer(value, torch_rules)
+    if count is None or count < 1:
+        raise SpecError("groups", value, "expected an int >= 1")
+    return count
 
 
-def padding(value: Any, *, nd: int, stride: tuple[int, ...], dilation: tuple[int, ...],
-            filter_dims: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """Padding as (pre, post) per spatial dim; accepts an int, one int per dim, pairs, 'valid', 'same'."""
+def padding_pairs(value: Any, *, nd: int, stride: tuple[int, ...], dilation: tuple[int, ...],
+                  filter_dims: tuple[int, ...], torch_rules: bool = False) -> tuple[tuple[int, int], ...]:
+    """Padding as (pre, post) per spatial dim; takes an int, one per dim, (pre, post) pairs (not under
+    torch's rules), 'valid' or 'same'."""
     if isinstance(value, str):
         return _padding_mode(value, nd=nd, stride=stride, dilation=dilation, filter_dims=filter_dims)
-    if _is_int(value):
-        pairs = ((int(value), int(value)),) * nd
-    else:
-        items = _sequence("padding", value, nd)
-        pairs = tuple(_pair(value, item) for item in items)
-    if any(p < 0 for pair in pairs for p in pair):
-        raise SpecError("padding", value, "padding must be >= 0")
-    _bounded("padding", value, tuple(p for pair in pairs for p in pair))
+    single = _integer(value, torch_rules)
+    pairs = ((single, single),) * nd if single is not None else _sequence(value, nd, torch_rules)
+    if single is None and len(pairs) == nd:
+        pairs = tuple([_pad_pair(value, item, torch_rules) for item in pairs])
+    if len(pairs) != nd or any(p is None or p[0] < 0 or p[1] < 0 for p in pairs):
+        raise SpecError("padding", value, f"expected 'valid', 'same', an int >= 0 or {nd} of them")
+    if not torch_rules:
+        _bounded("padding", value, tuple(p for pair in pairs for p in pair))
     return pairs
 
 
-def _pair(whole: Any, item: Any) -> tuple[int, int]:
-    if _is_int(item):
-        return int(item), int(item)
+def _integer(value: Any, torch_rules: bool) -> int | None:
+    """`value` as an int when it is one (never a bool): a Python or numpy int, or under torch's rules
+    anything with __index__ (as torch's argument parser); else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if torch_rules else int(value)  # the specs keep plain ints (an IntEnum would print apart)
+    if torch_rules:  # no try/except: dynamo (torch 2.11) cannot trace a TypeError raised by operator.index
+        return operator.index(value) if hasattr(type(value), "__index__") else None
+    return int(value) if _is_numpy_int(value) else None
+
+
+def _sequence(value: Any, nd: int, torch_rules: bool) -> tuple:
+    """The items of a per-dim sequence (the caller checks there are `nd`): under torch's rules a tuple or
+    list (torch.Size is one) of `nd` or of one for all dims."""
+    if torch_rules:
+        items = tuple(value) if isinstance(value, (tuple, list)) else ()
+        return items * nd if len(items) == 1 else items
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return ()
+    return tuple(value)
+
+
+def _pad_pair(whole: Any, item: Any, torch_rules: bool) -> tuple[int, int] | None:
+    """An item of a per-dim padding as (pre, post), None where it is neither an int nor a pair of them."""
+    single = _integer(item, torch_rules)
+    if single is not None:
+        return single, single
     if isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
         pair = tuple(item)
-        if len(pair) == 2 and all(_is_int(p) for p in pair):
-            return int(pair[0]), int(pair[1])
-    raise SpecError("padding", whole, "each spatial dim takes an int or a (pre, post) pair of ints")
+        if len(pair) == 2 and all(_integer(p, torch_rules) is not None for p in pair):
+            if torch_rules:
+                raise SpecError("padding", whole, "torch's convolutions pad both sides alike: one int >= 0 per "
+                                "spatial dim")
+            return _integer(pair[0], False), _integer(pair[1], False)
+    return None
 
 
 def _padding_mode(mode: str, *, nd, stride, dilation, filter_dims) -> tuple[tuple[int, int], ...]:
@@ -113,9 +160,9 @@ def _padding_mode(mode: str, *, nd, stride, dilation, filter_dims) -> tuple[tupl
     if mode != "same":
         raise SpecError("padding", mode, "the string forms are 'valid' and 'same'")
     if any(s != 1 for s in stride):
-        raise SpecError("padding", mode, f"'same' needs stride 1 (as in PyTorch), got stride={stride}")
+        raise SpecError("padding", mode, f"'same' needs stride 1, as in PyTorch (stride={stride})")
     # PyTorch puts the odd pixel of total padding at the end.
-    totals = [d * (k - 1) for d, k in zip(dilation, filter_dims)]
+    totals = [d * (int(k) - 1) for d, k in zip(dilation, filter_dims)]
     return tuple((t // 2, t - t // 2) for t in totals)
 
 

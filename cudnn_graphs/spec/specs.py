@@ -48,19 +48,17 @@ class _ConvSpec:
 
     def _normalize_common(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> None:
         nd = len(x_shape) - 2
-        self._set("stride", geometry.per_dim("stride", self.stride, nd, minimum=1))
-        self._set("dilation", geometry.per_dim("dilation", self.dilation, nd, minimum=1))
-        self._set("padding", geometry.padding(self.padding, nd=nd, stride=self.stride,
-                                              dilation=self.dilation, filter_dims=w_shape[2:]))
+        stride, padding, dilation = geometry.conv_arguments(nd, self.stride, self.padding, self.dilation,
+                                                            filter_dims=w_shape[2:])
+        self._set("stride", stride)
+        self._set("dilation", dilation)
+        self._set("padding", padding)
         self._normalize_groups(x_shape, w_shape)
         self._normalize_dtypes()
         self._set("layout", geometry.canonical_layout(self.layout, len(x_shape)))
 
     def _normalize_groups(self, x_shape, w_shape) -> None:
-        g = self.groups
-        if not geometry._is_int(g) or int(g) < 1:
-            raise SpecError("groups", g, "expected an int >= 1")
-        g = int(g)
+        g = geometry.groups(self.groups)
         self._set("groups", g)
         if x_shape[1] % g:
             raise SpecError("groups", g, f"input channels C={x_shape[1]} do not divide by groups")

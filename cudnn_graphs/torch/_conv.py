@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import numbers
-import operator
 from typing import Any, Sequence
 
 import torch
@@ -34,12 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_launch.activations import Activation, as_activation
+from gpu_launch.memo import CallMemo
 from gpu_launch.streams import capture_probe
 
 from .. import api
 from .. import requests as _requests
 from ..errors import ShapeError, SpecError, UnsupportedGraphError
 from ..plan import default_session
+from ..spec import geometry
 from ..spec.geometry import strides_like_channels_last
 from ._activations import torch_activation
 from ._fallback import cpu_once
@@ -322,7 +323,7 @@ def _conv_bwd_filter_fake(x, dy, w_shape, stride, padding, dilation, groups, bia
 class _Config:
     """stride, padding (flat pre/post), dilation, groups, activation and beta of one conv, checked and
     normalised once, with the memos of its eager calls: a cheap key of the tensors and torch's flags ->
-    the prepared call (see `_Memo`). Shared by every call with equal arguments (`_config`)."""
+    the prepared call (see `_MEMO_SIZE`). Shared by every call with equal arguments (`_config`)."""
 
     __slots__ = ("stride", "padding", "dilation", "groups", "act", "act_param", "beta", "flat", "op_act",
                  "activate", "pre", "fwd", "dgrad", "wgrad")
@@ -336,7 +337,7 @@ class _Config:
         # Where act'(pre) cannot be read off the output, a gradient needs the conv without its activation.
         self.pre = None if _derivative_from_output(act) else _canonical(stride, padding, dilation, groups,
                                                                            Activation("identity"), beta)
-        self.fwd, self.dgrad, self.wgrad = _Memo(), _Memo(), _Memo()
+        self.fwd, self.dgrad, self.wgrad = CallMemo(_MEMO_SIZE), CallMemo(_MEMO_SIZE), CallMemo(_MEMO_SIZE)
 
     def fwd_params(self, residual: bool, tf32: bool) -> dict:
         return _params(self.stride, self.padding, self.dilation, self.groups, self.act, self.op_act[1], self.beta,
@@ -346,16 +347,14 @@ class _Config:
         return _bwd_params(self.stride, self.padding, self.dilation, self.groups, tf32)
 
 
-_CANONICAL: dict[tuple, _Config] = {}
+_CANONICAL = CallMemo(4096)  # a model has tens of distinct convs: a bound, not a working set
 
 
 def _canonical(stride: tuple, padding: tuple, dilation: tuple, groups: int, act: Activation, beta: float) -> _Config:
     key = (stride, padding, dilation, groups, act, beta)
     cfg = _CANONICAL.get(key)
     if cfg is None:
-        if len(_CANONICAL) >= 4096:  # a model has tens of distinct convs: a bound, not a working set
-            _CANONICAL.clear()
-        cfg = _CANONICAL[key] = _Config(stride, padding, dilation, groups, act, beta)
+        cfg = _CANONICAL.put(key, _Config(stride, padding, dilation, groups, act, beta))
     return cfg
 
 
@@ -365,8 +364,16 @@ def _config(nd: int, stride: Any, padding: Any, dilation: Any, groups: Any, acti
     checked with errors naming the argument; repeated arguments cost one cache lookup."""
     try:
         return _config_cached(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
-    except TypeError:  # an unhashable spelling (a list): normalised each call, one shared config all the same
-        return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+    except TypeError:  # an unhashable spelling (a list): through the cache as tuples, which normalise alike
+        try:
+            return _config_cached(nd, _tupled(stride), _tupled(padding), _tupled(dilation), groups, activation, beta,
+                                  tuple(kernel))
+        except (TypeError, SpecError):  # normalised as spelled: the error names the value the caller passed
+            return _make_config(nd, stride, padding, dilation, groups, activation, beta, tuple(kernel))
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel) -> _Config:
@@ -374,16 +381,15 @@ def _make_config(nd, stride, padding, dilation, groups, activation, beta, kernel
 
 
 def _normalise(nd, stride, padding, dilation, groups, activation, beta, kernel) -> tuple:
-    """(stride, flat padding, dilation, groups, Activation, beta), checked, as tuples of ints."""
+    """(stride, flat padding, dilation, groups, Activation, beta), checked, as tuples of ints: the specs'
+    normaliser (`spec.geometry.conv_arguments`) under torch's rules, so both say the same of a bad value."""
     act = as_activation("activation", activation)
-    stride, dilation = _per_dim("stride", stride, nd), _per_dim("dilation", dilation, nd)
-    flat = _flat_padding(padding, nd, stride, dilation, kernel)
-    count = _as_int(groups)
-    if count is None or count < 1:
-        raise SpecError("groups", groups, "expected an int >= 1")
+    stride, pairs, dilation = geometry.conv_arguments(nd, stride, padding, dilation, filter_dims=kernel,
+                                                      torch_rules=True)
+    count = geometry.groups(groups, torch_rules=True)
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise SpecError("beta", beta, "expected a number")
-    return tuple(stride), tuple(flat), tuple(dilation), count, act, float(beta)
+    return stride, tuple(p for pair in pairs for p in pair), dilation, count, act, float(beta)
 
 
 # typed: 2 and 2.0 hash alike, but only the int passed the checks
@@ -406,18 +412,11 @@ _TORCH = "torch"  # a memo entry: cuDNN declined this graph; torch's convolution
 _ALIGN = 15  # cuDNN graphs declare 16-byte aligned tensors
 
 
-class _Memo(dict):
-    """key -> a prepared call (`requests._Call`), _SLOW or _TORCH. The key holds each tensor's shape,
-    strides, dtype and device, the extra shapes, and torch's TF32 and determinism flags: everything the
-    first call's checks read, so an equal key passes them alike (pointers' alignment is checked per call)."""
-
-    __slots__ = ()
-
-    def remember(self, key: tuple, entry: Any) -> Any:
-        if len(self) >= 64:  # a layer sees a few geometries; a loop of ever-new sizes must not grow it
-            self.clear()
-        self[key] = entry
-        return entry
+# A config's memos (fwd, dgrad, wgrad): key -> a prepared call (`requests._Call`), _SLOW or _TORCH. The
+# key holds each tensor's shape, strides, dtype and device, the extra shapes, and torch's TF32 and
+# determinism flags: everything the first call's checks read, so an equal key passes them alike
+# (pointers' alignment is checked per call). A layer sees a few geometries: 64 entries, cleared when full.
+_MEMO_SIZE = 64
 
 
 def _flags() -> tuple[bool, bool, bool, bool]:
@@ -433,15 +432,15 @@ def _geometry(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
+def _prepared(memo: CallMemo, key: tuple, kind: type, objs: tuple, params: dict, extra: tuple, packed: bool,
               what: str) -> Any:
     """The memo entry for a new key: the library's call (planned, buffers checked) where every tensor is
     a packed CUDA tensor of a supported dtype, else the general path, or torch's conv where cuDNN declines
     or torch's cuDNN is disabled."""
     if not torch._C._get_cudnn_enabled():  # torch.backends.cudnn.enabled = False: torch's non-cuDNN path
-        return memo.remember(key, _TORCH)
+        return memo.put(key, _TORCH)
     if not (packed and _ours(*(t for t in objs if t is not None))):
-        return memo.remember(key, _SLOW)
+        return memo.put(key, _SLOW)
     device = objs[0].get_device()
     session = _session(device)
     tuning_in_capture = session is not None and session.policy == "autotune" and torch.cuda.is_current_stream_capturing()
@@ -453,8 +452,8 @@ def _prepared(memo: _Memo, key: tuple, kind: type, objs: tuple, params: dict, ex
         call, _ = _requests.prepare_call(session, kind, objs, params, extra, torch._C._cuda_getCurrentRawStream(device))
     except UnsupportedGraphError as err:
         _declined_once(what, err)
-        return memo.remember(key, _TORCH)
-    return call if tuning_in_capture else memo.remember(key, call)
+        return memo.put(key, _TORCH)
+    return call if tuning_in_capture else memo.put(key, call)
 
 
 def _launch(call, ptrs: tuple, device: int) -> list:
@@ -762,47 +761,6 @@ def _autocast(tensors: tuple, dtype: torch.dtype) -> tuple:
     already in it passes as is: `.to` calls that changed nothing took ~11 us of a layer's forward (H100
     host, tools/probe_autocast_layer.py)."""
     return tuple(t if t is None or t.dtype is dtype or t.dtype not in _CASTABLE else t.to(dtype) for t in tensors)
-
-
-def _as_int(value: Any) -> int | None:
-    """An integer as torch's argument parser takes one (numpy's too), else None; bools are not."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    # no try/except: dynamo (torch 2.11) cannot trace a TypeError raised by operator.index
-    return operator.index(value) if hasattr(type(value), "__index__") else None
-
-
-def _per_dim(name: str, value: Any, nd: int, *, minimum: int = 1) -> list[int]:
-    single = _as_int(value)
-    if single is not None:
-        values = [single] * nd
-    elif isinstance(value, (tuple, list)):  # torch.Size is a tuple
-        values = [_as_int(v) for v in value]
-        values = values * nd if len(values) == 1 else values
-    else:
-        values = []
-    if len(values) != nd or not all(v is not None and v >= minimum for v in values):
-        raise SpecError(name, value, f"expected an int >= {minimum} or {nd} of them")
-    return values
-
-
-def _flat_padding(padding: Any, nd: int, stride: list[int], dilation: list[int], kernel: Sequence[int]) -> list[int]:
-    """(pre, post) per spatial dim, flat; 'same' pads as torch does (the odd element after)."""
-    if isinstance(padding, str):
-        if padding == "valid":
-            return [0] * (2 * nd)
-        if padding != "same":
-            raise SpecError("padding", padding, "expected 'valid', 'same', an int or a tuple")
-        if any(s != 1 for s in stride):
-            raise SpecError("padding", padding, f"'same' is not supported for strided convolutions (stride={stride})")
-        out = []
-        for d, k in zip(dilation, kernel):
-            total = d * (int(k) - 1)
-            out += [total // 2, total - total // 2]
-        return out
-    return [p for v in _per_dim("padding", padding, nd, minimum=0) for p in (v, v)]
 
 
 def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, activation=None,

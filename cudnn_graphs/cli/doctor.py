@@ -9,8 +9,8 @@ from typing import Callable
 
 from plan_cache import redact_url
 
-from . import config
-from .environment import environment, frontend_version, gpu_problem, libcudnn_problem
+from .. import config
+from ..environment import environment, frontend_version, gpu_problem, libcudnn_problem
 
 
 def run_doctor(args) -> int:
@@ -43,7 +43,7 @@ def _gpu(args) -> tuple[str, str]:
 
 
 def _cudnn(args) -> tuple[str, str]:
-    from .execute import cudnn_backend
+    from ..execute import cudnn_backend
 
     try:
         version, runtime = cudnn_backend.version(), cudnn_backend.cudart_version()
@@ -149,7 +149,7 @@ def _remote(args) -> tuple[str, str]:
     if config.remote_cache_key() is None:
         return "warn", (f"{shown} is off: no signing key. Fix: set {config.REMOTE_KEY} or {config.REMOTE_KEY_FILE} "
                         "(a file only you can read), the same secret on every machine")
-    from .cache import open_remote
+    from ..cache import open_remote
 
     remote = open_remote(url)
     if remote is None:

@@ -21,12 +21,12 @@ from typing import Any, NamedTuple
 from plan_cache import CacheError, PlanRecord, PlanStore, redact_url
 from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 
-from . import config
-from .cache.policy import importable, keep_stored, key_matches
-from .environment import NO_GPU, environment
-from .errors import CudnnGraphsError
-from .plan.verify import verify_load
-from .spec import SPEC_TYPES, spec_from_dict
+from .. import config
+from ..cache.policy import importable, keep_stored, key_matches
+from ..environment import NO_GPU, environment
+from ..errors import CudnnGraphsError
+from ..plan.verify import verify_load
+from ..spec import SPEC_TYPES, spec_from_dict
 
 __all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
 
@@ -579,7 +579,7 @@ def _foreign_note(env) -> str:
 # --- the remote tier --------------------------------------------------------------------------------------
 
 def _remote(url: str | None):
-    from .cache import open_remote
+    from ..cache import open_remote
 
     url = url or config.remote_cache_url()
     if url is None:

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .errors import CudnnGraphsError, UnsupportedGraphError
+from ..errors import CudnnGraphsError, UnsupportedGraphError
 
 OUTCOMES = ("cached", "built", "autotuned", "unsupported", "failed")
 RELEASE_EVERY = 256  # specs a warm-up plans between letting go of the plans it stored
@@ -66,12 +66,12 @@ def describe_spec(spec) -> str:
 
 def warmup_session(args, device: int):
     """The session a warm-up plans with on `device`; CudnnGraphsError when it would keep nothing."""
-    from .plan import Session
+    from ..plan import Session
 
     session = Session(device=device, cache=args.cache, policy="autotune" if args.autotune else "heuristic",
                       autotune_limit=args.autotune_limit)
     if session.store is None:
-        from . import config
+        from .. import config
 
         if args.cache is None and config.cache_disabled():
             raise CudnnGraphsError(f"the plan cache is disabled ({config.DISABLE_CACHE} is set): a warm-up would "

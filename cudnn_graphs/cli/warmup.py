@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .errors import CudnnGraphsError, NoGpuError, SpecError
-from .recording import read_spec_file
-from .spec import spec_from_dict
+from ..errors import CudnnGraphsError, NoGpuError, SpecError
+from ..recording import read_spec_file
+from ..spec import spec_from_dict
 from .warmup_plan import OUTCOMES, RELEASE_EVERY, SpecSource, Summary, describe_spec, plan_one, progress, warmup_session
 
 PRESET_DEFAULTS = {"batch": 32, "dtype": "float16", "layout": "channels_last"}
@@ -31,7 +31,7 @@ def collect(args) -> tuple[list[SpecSource], list[str]]:
                 continue
             sources.setdefault(spec, SpecSource(where, spec))
     if args.preset:
-        from .presets import preset_specs
+        from ..presets import preset_specs
 
         for spec in preset_specs(args.preset, batch=args.batch, dtype=args.dtype, layout=args.layout):
             sources.setdefault(spec, SpecSource(f"preset {args.preset}", spec))
@@ -56,7 +56,7 @@ def run_warmup(args) -> int:
     if args.dry_run:
         _dry_run(sources, args)
         return 1 if errors else 0
-    from .environment import gpu_problem
+    from ..environment import gpu_problem
 
     devices = [args.device]
     if getattr(args, "devices", None):
@@ -123,7 +123,7 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
 
     from plan_cache._files import replace_regular
 
-    from .recording import spec_line
+    from ..recording import spec_line
 
     text = "".join(spec_line(source.spec) + "\n" for source in sources)
     if path == "-":  # as for spec files read: '-' is standard output, not a file named '-'
@@ -146,8 +146,8 @@ def _emit(sources: list[SpecSource], path: str, *, bad_lines: int) -> int:
 
 
 def _dry_run(sources: list[SpecSource], args) -> None:
-    from .environment import environment, environment_from_file
-    from .signature import signature
+    from ..environment import environment, environment_from_file
+    from ..signature import signature
 
     env = environment_from_file(args.target_env) if getattr(args, "target_env", None) else environment(args.device)
     if getattr(args, "json", False):
@@ -163,7 +163,7 @@ def _dry_run(sources: list[SpecSource], args) -> None:
 
 
 def _plan_all(sources: list[SpecSource], args) -> Summary:
-    from .plan.session import flush_remote_writes
+    from ..plan.tiers import flush_remote_writes
 
     session = warmup_session(args, args.device)
     summary = Summary()

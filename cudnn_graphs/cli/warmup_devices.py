@@ -126,8 +126,8 @@ def _worker(device: int, options: dict, tasks, results) -> None:
     """One GPU's worker: plan specs from `tasks` until the stop mark, report each outcome."""
     from types import SimpleNamespace
 
-    from .plan.session import flush_remote_writes
-    from .spec import spec_from_dict
+    from ..plan.tiers import flush_remote_writes
+    from ..spec import spec_from_dict
 
     try:
         session = warmup_session(SimpleNamespace(**options), device)

@@ -1,4 +1,4 @@
-"""The `cudnn-graphs` command."""
+"""The `cudnn-graphs` command: its parser, `main`, and the commands small enough to live here (env, check)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import os
 import sys
 from typing import Sequence
 
-from . import config
-from ._version import __version__
-from .cache_cli import add_cache_parser, run_cache
-from .environment import environment, environment_from_file, libcudnn_problem
-from .errors import CudnnGraphsError, SpecError
-from .recording import read_spec_file
-from .signature import signature
-from .spec import spec_from_dict
+from .. import config
+from .._version import __version__
+from ..environment import environment, environment_from_file, libcudnn_problem
+from ..errors import CudnnGraphsError, SpecError
+from ..recording import read_spec_file
+from ..signature import signature
+from ..spec import spec_from_dict
+from .cache import add_cache_parser, run_cache
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_warmup_parser(sub) -> None:
-    from .presets import PRESETS
+    from ..presets import PRESETS
 
     w = sub.add_parser(
         "warmup", help="plan specs ahead of a job and store their plans in the cache",
@@ -84,7 +84,7 @@ def _add_warmup_parser(sub) -> None:
 
 def _dtype_arg(text: str) -> str:
     """--dtype through the API's own alias table."""
-    from .spec import dtypes
+    from ..spec import dtypes
 
     try:
         return dtypes.canonical_dtype("--dtype", text)
@@ -94,7 +94,7 @@ def _dtype_arg(text: str) -> str:
 
 def _layout_arg(text: str) -> str:
     """--layout through the API's own alias table (a preset's convs are 2-D)."""
-    from .spec import geometry
+    from ..spec import geometry
 
     try:
         return geometry.canonical_layout(text, 4)
@@ -113,7 +113,7 @@ def _positive_int(text: str) -> int:
 
 
 def _check(args) -> int:
-    from .graph import build_graph
+    from ..graph import build_graph
 
     if not args.no_graph and libcudnn_problem() is not None:  # else every valid spec fails alike, one by one
         raise CudnnGraphsError(f"building graphs needs libcudnn: {libcudnn_problem()}. Fix: pip install "
