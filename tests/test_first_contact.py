@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 import cudnn_graphs as cg
-from cudnn_graphs import config, warmup
+from cudnn_graphs import config
+from cudnn_graphs.cli import warmup
 from cudnn_graphs.environment import gpu_problem
 from cudnn_graphs.errors import CudnnGraphsError, NoGpuError
 
