@@ -127,25 +127,23 @@ WAITED_S = 0.2
 _behind_work = True  # recording behind queued work allowed (for the process, until `watch` sees one wait)
 
 
-# Executable slots reserved per device (driver.reserve_executables): the first sight or recording on an idle
-# stream reserves RESERVE_FIRST; fewer than RESERVE_HEADROOM left, twice what is live + the headroom. Generous
-# because the count is ours alone: in one three-file GPU test run a wait came with ~140 of ours live and 256
-# reserved, so something else held ~100 slots (not found; torch's graphs take slots from the same pool).
-RESERVE_FIRST = 512  # ~25 ms of host time once (H100: 256 took 12 ms)
-RESERVE_HEADROOM = 128
-_reserved: dict[int, int] = {}
+# Free executable slots ensured per device (driver.reserve_executables): RESERVE at a first sight or recording
+# on an idle stream, again once this process has made RESERVE // 2 more executables. Ensured outright, not
+# counted from ours: other executables share the pool (torch's graphs, torch.compile's) and the GPU suite
+# saw a wait with ~140 of ours live and 256 reserved from our count.
+RESERVE = 256  # 12 ms of host time (H100), at most once per RESERVE // 2 executables made
+_next_check: dict[int, int] = {}  # device -> our live-executable count at which to ensure slots again
 
 
 def reserve_slots(ordinal: int, stream: int) -> None:
-    """Before a recording for `stream` on device `ordinal`: top up the driver's executable slots while
-    nothing is queued, so that instantiations behind queued work later do not wait for it."""
+    """Before a recording for `stream` on device `ordinal`: while nothing is queued, make sure the driver's
+    pool has RESERVE free executable slots, so that instantiations behind queued work later do not wait."""
     live = driver.live_executables()
-    if live + RESERVE_HEADROOM <= _reserved.get(ordinal, 0) or not nothing_queued(stream):
+    if live < _next_check.get(ordinal, 0) or not nothing_queued(stream):
         return
-    target = max(RESERVE_FIRST, 2 * (live + RESERVE_HEADROOM))
     with driver.device(ordinal):
-        driver.reserve_executables(target - live)
-    _reserved[ordinal] = target
+        driver.reserve_executables(RESERVE)
+    _next_check[ordinal] = live + RESERVE // 2
 
 
 def may_record(stream: int) -> bool:

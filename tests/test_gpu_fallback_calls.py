@@ -318,7 +318,7 @@ def test_recordings_behind_queued_work_never_wait_as_graphs_accumulate(monkeypat
                     slow.append(f"round {round_} {name}: {took_ms:.0f} ms")
         assert not torch.cuda.current_stream().query(), (
             f"round {round_}: the queue drained: a call waited; live executables {driver.live_executables()}, "
-            f"reserved {replay._reserved}, slow {slow}")
+            f"next slot check at {replay._next_check}, slow {slow}")
         torch.cuda.synchronize()
     assert driver.live_executables() - live_before >= 150, "too few graphs recorded to pass the slot growths"
     assert not slow, slow

@@ -81,7 +81,7 @@ def _stand_in(monkeypatch, *, repointable: bool) -> Launcher:
     monkeypatch.setattr(lau, "capture", capture)
     monkeypatch.setattr(lau, "_record_patchable", record_patchable)
     monkeypatch.setattr(launcher_mod.driver, "stream_idle", lambda stream: lau.idle)
-    monkeypatch.setattr(replay, "_reserved", {plan.device: 1 << 30})  # slots to spare (tests/test_replay.py)
+    monkeypatch.setattr(replay, "_next_check", {plan.device: 1 << 30})  # the reserve: tests/test_replay.py
     monkeypatch.setattr(replay, "_behind_work", True)  # the process-wide switch, back on after each test
     lau.idle = True
     return lau

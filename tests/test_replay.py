@@ -35,7 +35,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(replay.driver, "device", lambda ordinal: contextlib.nullcontext())
     monkeypatch.setattr(replay.driver, "stream_idle", lambda stream: state["idle"])
     monkeypatch.setattr(replay.driver, "reserve_executables", lambda count: log.append(("reserved", count)))
-    monkeypatch.setattr(replay, "_reserved", {0: 1 << 30})  # slots to spare: the reserve is its own test's
+    monkeypatch.setattr(replay, "_next_check", {0: 1 << 30})  # the reserve is its own test's
     monkeypatch.setattr(replay, "_behind_work", True)  # the process-wide switch, back on after each test
     rep = replay.Replay(lambda ptrs, stream: log.append(("direct", stream, ptrs)), ordinal=0, label="test")
     return rep, log, state
@@ -109,7 +109,7 @@ def watched(monkeypatch):
     state = {"idle": False}
     monkeypatch.setattr(replay.driver, "stream_idle", lambda stream: state["idle"])
     monkeypatch.setattr(replay.driver, "reserve_executables", lambda count: log.append(("reserved", count)))
-    monkeypatch.setattr(replay, "_reserved", {0: 1 << 30})  # slots to spare: the reserve is its own test's
+    monkeypatch.setattr(replay, "_next_check", {0: 1 << 30})  # the reserve is its own test's
     monkeypatch.setattr(replay, "_behind_work", True)
     monkeypatch.setattr(replay, "WAITED_S", 0.02)
     return state, replay.watch(7)
@@ -143,13 +143,13 @@ def test_a_wait_outside_the_collector_turns_recording_behind_work_off(watched, c
     assert not replay._behind_work and "waited" in caplog.text
 
 
-def test_executable_slots_are_reserved_only_on_an_idle_stream_and_ahead_of_the_live_count(monkeypatch):
+def test_executable_slots_are_ensured_only_on_an_idle_stream_and_again_after_half_the_reserve(monkeypatch):
     """The driver's executable-slot growth waits for queued work (every ~43 live executables): reserve_slots
-    tops the slots up while nothing is queued, RESERVE_FIRST at first, then twice what is live + headroom."""
+    ensures RESERVE free slots while nothing is queued, and again once RESERVE // 2 more executables exist."""
     from gpu_launch import driver, replay
 
     reserved, live, idle = [], [0], [True]
-    monkeypatch.setattr(replay, "_reserved", {})
+    monkeypatch.setattr(replay, "_next_check", {})
     monkeypatch.setattr(driver, "live_executables", lambda: live[0])
     monkeypatch.setattr(driver, "reserve_executables", reserved.append)
     monkeypatch.setattr(replay, "nothing_queued", lambda stream: idle[0])
@@ -159,13 +159,12 @@ def test_executable_slots_are_reserved_only_on_an_idle_stream_and_ahead_of_the_l
     assert reserved == [], "reserving behind queued work would itself wait"
     idle[0] = True
     replay.reserve_slots(0, 7)
-    assert reserved == [replay.RESERVE_FIRST]
-    live[0] = replay.RESERVE_FIRST - replay.RESERVE_HEADROOM
+    assert reserved == [replay.RESERVE]
+    live[0] = replay.RESERVE // 2 - 1
     replay.reserve_slots(0, 7)
-    assert reserved == [replay.RESERVE_FIRST], "enough headroom left: nothing to do"
+    assert reserved == [replay.RESERVE], "half the reserve still free: nothing to do"
     live[0] += 1
     replay.reserve_slots(0, 7)
-    target = 2 * (live[0] + replay.RESERVE_HEADROOM)
-    assert reserved[-1] == target - live[0] and replay._reserved[0] == target
+    assert reserved == [replay.RESERVE] * 2 and replay._next_check[0] == live[0] + replay.RESERVE // 2
     replay.reserve_slots(1, 7)
-    assert replay._reserved[1] == target, "each device has its own pool"
+    assert len(reserved) == 3, "each device has its own pool"
