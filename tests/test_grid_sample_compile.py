@@ -227,7 +227,7 @@ class _FakeFunction:
 def cpu_plans(monkeypatch):
     """Plans built on CPU: kernels are looked up by name only, never compiled or launched."""
     names = set(gs.name_expressions())
-    monkeypatch.setattr(gs, "_functions", lambda device, dtype, options: {
+    monkeypatch.setattr(gs, "_functions", lambda device, program, dtype, options: {
         n: _FakeFunction(n) for n in names})
     monkeypatch.setattr(gs, "_device_limits", lambda device: (H100_SHARED, H100_SMS))
     gs._forward_plan.cache_clear()
