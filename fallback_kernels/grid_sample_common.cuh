@@ -179,9 +179,8 @@ template <typename A> __device__ __forceinline__ void cubic_coefficients_grad(A 
     c[3] = (3 * a * x - 10 * a) * x + 8 * a;
 }
 
-template <typename A> __device__ __forceinline__ A cubic_interp1d(A x0, A x1, A x2, A x3, A t) {
-    A c[4];
-    cubic_coefficients<A>(c, t);
+// ATen's cubic_interp1d with its coefficients (cubic_coefficients of the row's t) computed once per point.
+template <typename A> __device__ __forceinline__ A cubic_interp1d(A x0, A x1, A x2, A x3, const A c[4]) {
     return x0 * c[0] + x1 * c[1] + x2 * c[2] + x3 * c[3];
 }
 
@@ -259,16 +258,26 @@ __device__ __forceinline__ int min_nc(long long C, long long c0) { return (int)(
 template <int ND, int MODE> struct Taps { static constexpr int K = MODE == MODE_NEAREST ? 1 : MODE == MODE_BICUBIC ? 16 : (1 << ND); };
 
 // ---------------------------------------------------------------------------------------------------
-// One point's taps, the single per-tap helper of the three backward algorithms (fast, tile, deterministic).
+// One point's taps: the single per-tap helper of every kernel that visits them (forward, fast, tile, sorted and
+// counting backwards).
 // ---------------------------------------------------------------------------------------------------
 // A point's source coordinates from its grid values: bilinear / nearest the padded source index, bicubic the
-// unnormalised one (its padding applies per tap); mult[a] = d coordinate / d grid value (ATen's gInp
-// multipliers; 0 for nearest, whose grad_grid is 0).
-template <typename A, int ND, int MODE>
+// unnormalised one (its padding applies per tap). GRAD (the backwards): mult[a] = d coordinate / d grid value
+// (ATen's gInp multipliers; 0 for nearest, whose grad_grid is 0), through ATen's *_set_grad functions. The
+// forward (GRAD false; mult unused, may be null) keeps ATen's forward functions: their border / reflection clip
+// takes a NaN coordinate to 0, where the set_grad clip passes it on (to -100: every tap outside).
+template <typename A, int ND, int MODE, bool GRAD = true>
 __device__ __forceinline__ void point_coords(A x, A y, A z, const Geo& g, A c[ND], A mult[ND]) {
     const int pad = (int)g.pad;
     const bool align = g.align != 0;
-    if constexpr (MODE == MODE_BICUBIC) {
+    if constexpr (!GRAD && MODE == MODE_BICUBIC) {
+        c[0] = unnormalize(x, (int)g.IW, align);
+        c[1] = unnormalize(y, (int)g.IH, align);
+    } else if constexpr (!GRAD) {
+        c[0] = source_index(x, (int)g.IW, pad, align);
+        c[1] = source_index(y, (int)g.IH, pad, align);
+        if constexpr (ND == 3) c[ND - 1] = source_index(z, (int)g.ID, pad, align);
+    } else if constexpr (MODE == MODE_BICUBIC) {
         c[0] = unnormalize_set_grad(x, (int)g.IW, align, &mult[0]);
         c[1] = unnormalize_set_grad(y, (int)g.IH, align, &mult[1]);
     } else {
@@ -294,11 +303,11 @@ template <typename I> __device__ __forceinline__ void point_at(I p, const Geo& g
 }
 
 // A point's coordinates (point_coords) from its grid values at gp, the coordinate gr_sK apart.
-template <typename T, typename A, int ND, int MODE>
+template <typename T, typename A, int ND, int MODE, bool GRAD = true>
 __device__ __forceinline__ void grid_coords(const T* __restrict__ gp, const Geo& g, A c[ND], A mult[ND]) {
     const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
     const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
-    point_coords<A, ND, MODE>(x, y, z, g, c, mult);
+    point_coords<A, ND, MODE, GRAD>(x, y, z, g, c, mult);
 }
 
 // Point p of batch item n: its coordinates from its grid values, read through the grid's strides.
@@ -312,10 +321,11 @@ __device__ __forceinline__ void grid_point(const T* __restrict__ grid, long long
 
 // A point's taps from its coordinates: ok(k) when tap k falls inside (any(): some tap does); its pixel dst(k)
 // within the batch item (dense planes) and its offset src(k, g) through the input's strides; its weight w(k),
-// what multiplies grad_output in ATen's grad_input update; and the grad_grid coefficients: grad_grid[a] =
-// mult[a] * the sum over taps in_gg(k) and channels of cg(a, k) * input value * grad_output (ATen's sums,
-// regrouped). Built from the stored coordinates too (the deterministic gathers): every algorithm sees the
-// same taps.
+// what multiplies grad_output in ATen's grad_input update and the input value in its bilinear forward; and the
+// grad_grid coefficients: grad_grid[a] = mult[a] * the sum over taps in_gg(k) and channels of cg(a, k) * input
+// value * grad_output (ATen's sums, regrouped). Bicubic's forward interpolates a row of taps with xc, then the
+// rows with yc, as ATen's does (not w(k) = xc * yc). Built from the stored coordinates too (the deterministic
+// gathers): every algorithm sees the same taps.
 template <typename A, int ND, int MODE> struct PointTaps;
 
 // a[i] by selects: a tap index known only at run time (the deterministic gathers) would otherwise index the

@@ -27,60 +27,27 @@ __global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(co
     const long long G = (C + VEC - 1) / VEC;
     const long long L = (1LL << g.lanes_log2) < G ? (1LL << g.lanes_log2) : G;
     const long long total = g.N * P * L;
-    const int ID = (int)g.ID, IH = (int)g.IH, IW = (int)g.IW, pad = (int)g.pad;
-    const bool align = g.align != 0, point_fast = (g.flags & F_POINT_FAST) != 0;
+    const bool point_fast = (g.flags & F_POINT_FAST) != 0;
     const bool in_vec = (g.flags & F_IN_VEC) != 0, out_vec = (g.flags & F_GO_VEC) != 0;
     constexpr int K = Taps<ND, MODE>::K;
     for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < total; t += (long long)gridDim.x * blockDim.x) {
         long long n, p, lane;
         if (point_fast) n = div_rem(div_rem(t, P, p), L, lane);
         else n = div_rem(div_rem(t, L, lane), P, p);
-        long long ow, oh;
-        const long long od = div_rem(div_rem(p, g.OW, ow), g.OH, oh);
-        const T* gp = grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW;
-        const A x = to_acc(gp[0]), y = to_acc(gp[g.gr_sK]);
-        const A z = ND == 3 ? static_cast<A>(to_acc(gp[2 * g.gr_sK])) : static_cast<A>(0);
+        long long od, oh, ow;
+        point_at(p, g, od, oh, ow);
+        A c[ND];
+        grid_coords<T, A, ND, MODE, false>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, nullptr);
 
-        // Each tap once: its offset within a channel plane (-1 where it falls outside) and its weight.
+        // Each tap once (PointTaps): its offset within a channel plane (-1 where it falls outside) and its weight
+        // (bilinear; bicubic interpolates rows of taps with tp.xc, then the rows with tp.yc, as ATen does).
+        const PointTaps<A, ND, MODE> tp(c, g);
         long long off[K];
         A w[K];
-        A tx = static_cast<A>(0), ty = static_cast<A>(0);
-        if constexpr (MODE == MODE_BILINEAR) {
-            const A ix = source_index(x, IW, pad, align), iy = source_index(y, IH, pad, align);
-            const A iz = ND == 3 ? source_index(z, ID, pad, align) : static_cast<A>(0);
-            const int x0 = static_cast<int>(m_floor(ix)), y0 = static_cast<int>(m_floor(iy)), z0 = static_cast<int>(m_floor(iz));
-            const A wx[2] = {static_cast<A>(x0 + 1) - ix, ix - static_cast<A>(x0)};
-            const A wy[2] = {static_cast<A>(y0 + 1) - iy, iy - static_cast<A>(y0)};
-            const A wz[2] = {static_cast<A>(z0 + 1) - iz, iz - static_cast<A>(z0)};
 #pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int dx = k & 1, dy = (k >> 1) & 1, dz = k >> 2;
-                const int xx = x0 + dx, yy = y0 + dy, zz = z0 + dz;
-                const bool inside = xx >= 0 && xx < IW && yy >= 0 && yy < IH && zz >= 0 && zz < ID;
-                off[k] = inside ? zz * g.in_sD + yy * g.in_sH + xx * g.in_sW : -1;
-                w[k] = ND == 3 ? wx[dx] * wy[dy] * wz[dz] : wx[dx] * wy[dy];
-            }
-        } else if constexpr (MODE == MODE_NEAREST) {
-            const A ix = source_index(x, IW, pad, align), iy = source_index(y, IH, pad, align);
-            const A iz = ND == 3 ? source_index(z, ID, pad, align) : static_cast<A>(0);
-            const int xn = static_cast<int>(m_rint(ix)), yn = static_cast<int>(m_rint(iy)), zn = static_cast<int>(m_rint(iz));
-            const bool inside = xn >= 0 && xn < IW && yn >= 0 && yn < IH && zn >= 0 && zn < ID;
-            off[0] = inside ? zn * g.in_sD + yn * g.in_sH + xn * g.in_sW : -1;
-            w[0] = static_cast<A>(1);  // unused
-        } else {  // bicubic, 2-D: rows of 4 taps interpolated along x, then the 4 rows along y
-            const A ix = unnormalize(x, IW, align), iy = unnormalize(y, IH, align);
-            const A fx = m_floor(ix), fy = m_floor(iy);
-            tx = ix - fx;
-            ty = iy - fy;
-            int rx[4], ry[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) { rx[i] = cubic_tap(fx, i, IW, pad, align); ry[i] = cubic_tap(fy, i, IH, pad, align); }
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int i = k & 3, j = k >> 2;
-                off[k] = rx[i] >= 0 && ry[j] >= 0 ? ry[j] * g.in_sH + rx[i] * g.in_sW : -1;
-                w[k] = static_cast<A>(1);  // unused: the cubic coefficients come from tx and ty
-            }
+        for (int k = 0; k < K; ++k) {
+            off[k] = tp.ok(k) ? tp.src(k, g) : -1;
+            w[k] = tp.w(k);
         }
 
         const T* in_n = inp + n * g.in_sN;
@@ -107,10 +74,10 @@ __global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(co
                         }
                     }
 #pragma unroll
-                    for (int c = 0; c < VEC; ++c) rows[j][c] = cubic_interp1d<A>(v[0][c], v[1][c], v[2][c], v[3][c], tx);
+                    for (int c = 0; c < VEC; ++c) rows[j][c] = cubic_interp1d<A>(v[0][c], v[1][c], v[2][c], v[3][c], tp.xc);
                 }
 #pragma unroll
-                for (int c = 0; c < VEC; ++c) acc[c] = cubic_interp1d<A>(rows[0][c], rows[1][c], rows[2][c], rows[3][c], ty);
+                for (int c = 0; c < VEC; ++c) acc[c] = cubic_interp1d<A>(rows[0][c], rows[1][c], rows[2][c], rows[3][c], tp.yc);
             } else if constexpr (MODE == MODE_NEAREST) {
                 if (off[0] >= 0) load_ch(in_c + off[0], g.in_sC, nc, in_vec, acc);  // the value itself: -0.0 stays
             } else {
