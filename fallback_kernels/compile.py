@@ -17,15 +17,24 @@ from gpu_launch.errors import KernelCompileError
 BASE_OPTIONS = ("--std=c++17",)
 
 
-_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"[ \t]*$', re.M)
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh?)"[ \t]*$', re.M)
 
 
 def source(filename: str) -> str:
-    """The text of a kernel source shipped in this package, with its local `#include "x.cuh"` lines
-    replaced by the headers' text: NVRTC then needs no include path, and CuPy's on-disk kernel cache,
-    which keys on the source text alone, sees every change to a header."""
-    text = importlib.resources.files(__package__).joinpath(filename).read_text()
-    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)), text)
+    """The text of a kernel source shipped in this package, with its local `#include "x.cuh"` lines (and
+    grid_sample.cu's `#include "x.cu"`) replaced by the included files' text, recursively, each file once
+    (a later include of it is dropped, as `#pragma once` would drop it): NVRTC then needs no include path,
+    and CuPy's on-disk kernel cache and NVRTC, which see only this text, see every included file's."""
+    return _expand(filename, set())
+
+
+def _expand(filename: str, seen: set[str]) -> str:
+    seen.add(filename)
+    return _LOCAL_INCLUDE.sub(lambda m: "" if m.group(1) in seen else _expand(m.group(1), seen), _read(filename))
+
+
+def _read(filename: str) -> str:
+    return importlib.resources.files(__package__).joinpath(filename).read_text()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,9 @@
 """grid_sample forward and backward (torch.nn.functional.grid_sample semantics) as CUDA kernels.
 
-cuDNN's graph API has no grid_sample; these kernels (grid_sample.cu, compiled at run time with NVRTC
-through CuPy, lazily per device and dtype, binaries kept in CuPy's on-disk kernel cache) cover it:
+cuDNN's graph API has no grid_sample; these kernels (grid_sample_*.cu: one program per algorithm, `PROGRAMS`,
+sharing grid_sample_common.cuh; compiled at run time with NVRTC through CuPy, lazily per device, program and
+dtype, so a plan compiles only the programs its kernels are in; binaries kept in CuPy's on-disk kernel cache)
+cover it:
 
 * `grid_sample(input, grid, *, mode, padding_mode, align_corners)` -> output
 * `grid_sample_backward(grad_output, input, grid, *, mode, padding_mode, align_corners,
@@ -59,11 +61,11 @@ from gpu_launch.streams import (allocate_like, call_scratch, capture_probe, exte
 from . import compile as _compile
 from .types import CTYPES, DTYPE_OF, ITEMSIZE
 
-MODES = ("bilinear", "nearest", "bicubic")  # order matches the MODE_* enum in grid_sample.cu (and ATen's)
+MODES = ("bilinear", "nearest", "bicubic")  # order matches the MODE_* enum in grid_sample_common.cuh (and ATen's)
 PADDINGS = ("zeros", "border", "reflection")  # order matches PAD_*
 BILINEAR, NEAREST, BICUBIC = range(3)
 ACC_DTYPE = DTYPE_OF  # a math type's dtype
-# struct Geo and struct Tr in grid_sample.cu, field for field (all int64)
+# struct Geo (grid_sample_common.cuh) and struct Tr (grid_sample_layout.cu), field for field (all int64)
 GEO_FIELDS = ("N", "C", "ID", "IH", "IW", "OD", "OH", "OW",
               "in_sN", "in_sC", "in_sD", "in_sH", "in_sW",
               "gr_sN", "gr_sD", "gr_sH", "gr_sW", "gr_sK",
@@ -71,19 +73,30 @@ GEO_FIELDS = ("N", "C", "ID", "IH", "IW", "OD", "OH", "OW",
               "pad", "align", "lanes_log2", "flags")
 TR_FIELDS = ("N", "C", "S", "H", "W", "sN", "sC", "sD", "sH", "sW", "packed")
 F_GI, F_GG, F_IN_VEC, F_GO_VEC, F_GI_VEC, F_POINT_FAST = 1, 2, 4, 8, 16, 32
-VEC = 4  # channels per lane (VEC in grid_sample.cu)
+VEC = 4  # channels per lane (VEC in grid_sample_common.cuh)
 BLOCK = 256
 MAX_BLOCKS = 1 << 20  # grid-stride loops take the rest
 OPTIONS = _compile.BASE_OPTIONS
 INT_MAX = 2**31 - 1
 KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
 TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-memory backward (16/32-bit)
-TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample.cu
+TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample_tile.cu
 TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
 COUNT_KERNELS = ("gs_count", "gs_gather_exact")  # its counting form (with gs_place<A, ..>, gs_absmax<T>)
 SCAN_KERNELS = ("gs_scan_tiles", "gs_scan_sums", "gs_scan_apply")  # its offsets, in launch order
-SCAN_THREADS, SCAN_TILE = 256, 256 * 16  # GS_SCAN_THREADS, GS_SCAN_TILE in grid_sample.cu
+SCAN_THREADS, SCAN_TILE = 256, 256 * 16  # GS_SCAN_THREADS, GS_SCAN_TILE in grid_sample_counting.cu
+# The program (kernel source file) of each kernel; each includes grid_sample_common.cuh. grid_sample.cu holds
+# them all in one translation unit for tools; plans never compile it.
+PROGRAMS = {
+    "grid_sample_forward.cu": ("gs_forward",),
+    "grid_sample_backward.cu": ("gs_backward",),
+    "grid_sample_tile.cu": (*TILE_KERNELS, "gs_gg_sum"),
+    "grid_sample_counting.cu": (*COUNT_KERNELS, "gs_place", *SCAN_KERNELS),
+    "grid_sample_sorted.cu": ("gs_keys", "gs_bounds", "gs_gather", *CELL_KERNELS),
+    "grid_sample_layout.cu": ("gs_to_cl", "gs_from_cl", "gs_absmax"),
+}
+_PROGRAM_OF = {kernel: program for program, kernels in PROGRAMS.items() for kernel in kernels}
 # (spatial dims, mode) pairs that exist: bicubic is 2-D only, as in torch
 VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) if not (nd == 3 and m == BICUBIC))
 # Knobs (tools/bench_grid_sample.py measures the alternatives). go_transpose / input_transpose: the fast
@@ -116,7 +129,21 @@ _TR_DTYPE = np.dtype([(f, np.int64) for f in TR_FIELDS])
 
 
 def source() -> str:
+    """Every program's text in one translation unit (grid_sample.cu)."""
     return _compile.source("grid_sample.cu")
+
+
+def program_of(name: str) -> str:
+    """The program (kernel source file) that holds kernel instantiation `name`."""
+    return _PROGRAM_OF[name.split("<", 1)[0]]
+
+
+def programs(dtype: str | None = None) -> dict[str, list[str]]:
+    """name_expressions(dtype), by the program that holds them."""
+    out: dict[str, list[str]] = {}
+    for name in name_expressions(dtype):
+        out.setdefault(program_of(name), []).append(name)
+    return out
 
 
 def name_expressions(dtype: str | None = None) -> list[str]:
@@ -369,10 +396,11 @@ class _Plan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _functions(device: int, dtype: str, options: tuple[str, ...]) -> dict:
-    """The kernels for one (device, dtype), compiled on first use (CuPy keeps the binary on disk)."""
-    module = _compile.load_module("grid_sample.cu", tuple(name_expressions(dtype)), device, options)
-    return {name: module.get_function(name) for name in name_expressions(dtype)}
+def _functions(device: int, program: str, dtype: str, options: tuple[str, ...]) -> dict:
+    """The kernels of one program for one (device, dtype), compiled on first use (CuPy keeps the binary on disk)."""
+    names = tuple(programs(dtype)[program])
+    module = _compile.load_module(program, names, device, options)
+    return {name: module.get_function(name) for name in names}
 
 
 class _Builder:
@@ -391,7 +419,7 @@ class _Builder:
             self.ops.append(("zero", ref, int(nbytes)))
 
     def launch(self, name: str, grid, block, args, shared: int = 0) -> None:
-        fn = _functions(self.device, self.dtype, OPTIONS + tuple(TUNING.get("options", ())))[name]
+        fn = _functions(self.device, program_of(name), self.dtype, OPTIONS + tuple(TUNING.get("options", ())))[name]
         _allow_shared(fn, self.device, shared)
         self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name, int(shared)))
 
@@ -749,7 +777,7 @@ def _planes_dense(t: _Tensor, shape, values: int) -> bool:
 
 
 def _round8(chunks: int) -> int:
-    return -(-chunks // 8) * 8  # chunk_at() in grid_sample.cu permutes chunks within groups of 8
+    return -(-chunks // 8) * 8  # chunk_at() in grid_sample_tile.cu permutes chunks within groups of 8
 
 
 def _tile_shape(geo: Geometry, bufs: _Bufs, device: int) -> _TileShape | None:

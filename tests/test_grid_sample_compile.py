@@ -12,31 +12,97 @@ from fallback_kernels import compile as kc
 from fallback_kernels import grid_sample as gs
 
 
-@pytest.mark.parametrize("dtype", list(gs.CTYPES))
+# (dtype, program) for every program a plan of that dtype may compile, and the instantiations it holds.
+_PROGRAM_CASES = [(dtype, program) for dtype in gs.CTYPES for program in gs.programs(dtype)]
+
+
+@pytest.mark.parametrize("dtype, program", _PROGRAM_CASES, ids=[f"{d}-{p}" for d, p in _PROGRAM_CASES])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_grid_sample_compiles(arch, dtype):
+def test_every_program_compiles_from_its_own_source(arch, dtype, program):
+    """What a plan compiles: one program (its .cu, the shared header pasted in) with its instantiations of a dtype."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    names = gs.name_expressions(dtype)
-    lowered = kc.nvrtc_check("grid_sample.cu", names, arch, gs.OPTIONS)
+    names = gs.programs(dtype)[program]
+    lowered = kc.nvrtc_check(program, names, arch, gs.OPTIONS)
     assert all(lowered[name] for name in names)  # every instantiation exists
 
 
-# The backward kernels that read a point's taps through PointTaps, float io (f32 math), every mode. A tap index
-# known only at run time (the deterministic gathers) once indexed PointTaps' arrays and put it in local memory
-# (32-64 byte stack frames); the 16-bit and float64 variants have a few small frames of other origins.
-_TAP_READERS = [f"{k}<float, float, {nd}, {m}>" for k in ("gs_backward", "gs_keys", "gs_count", "gs_gather",
-                                                          "gs_gather_exact") for nd, m in gs.VARIANTS]
-_TAP_READERS += [f"gs_place<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
-_TAP_READERS += [f"gs_cell_gather<float, float, {nd}, {m}>" for nd, m in gs.VARIANTS if m != gs.BICUBIC]
-_TAP_READERS += [f"gs_tile_gather<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
-
-
-def test_backward_kernels_keep_the_taps_in_registers():
+def test_the_one_file_view_holds_every_program():
+    """grid_sample.cu (for tools taking one file per source) pastes every program and the shared header once."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    found = kc.ptxas_resources("grid_sample.cu", _TAP_READERS, "sm_90", gs.OPTIONS)
+    text = kc.source("grid_sample.cu")
+    assert text.count("struct Geo {") == 1 and text.count("struct half_t {") == 1 and '#include "' not in text
+    one_each = [next(n for n in names if n.startswith(gs.PROGRAMS[program][0])) for program, names in
+                gs.programs("float32").items()]
+    assert len(one_each) == len(gs.PROGRAMS)
+    assert all(kc.nvrtc_check("grid_sample.cu", one_each, "sm_90", gs.OPTIONS).values())
+
+
+def _globals(text: str) -> set[str]:
+    return set(re.findall(r"__global__ void (?:__launch_bounds__\([^)]*\)\)?\s*)?(\w+)\(", text))
+
+
+def test_each_kernel_is_defined_in_its_program_only():
+    assert not _globals(kc.source("grid_sample_common.cuh"))
+    for program, kernels in gs.PROGRAMS.items():
+        text = kc.source(program)
+        assert _globals(text) == set(kernels), program
+        assert text.count("struct PointTaps<") == 3 and '#include "' not in text  # the shared header, once
+    assert set(gs.name_expressions()) == {n for d in gs.CTYPES for names in gs.programs(d).values() for n in names}
+
+
+def test_a_header_edit_changes_every_program_text_and_the_kernel_cache_key(monkeypatch):
+    """CuPy's kernel cache (and NVRTC) see only the text compile.source makes: a header edit must reach it, or a
+    stale binary would be loaded for an edited header."""
+    pytest.importorskip("cupy")
+    read = kc._read
+    files = [*gs.PROGRAMS, "grid_sample.cu"]
+    before = {f: kc.source(f) for f in files}
+    for header in ("grid_sample_common.cuh", "types.cuh"):  # included directly, and through the shared header
+        monkeypatch.setattr(kc, "_read", lambda f, h=header: read(f) + ("\n// edited\n" if f == h else ""))
+        for f in files:
+            edited = kc.source(f)
+            assert edited != before[f] and edited.count("// edited") == 1, (header, f)
+    # load_module hands that text to CuPy, whose on-disk cache keys on it (plus options, arch, NVRTC version)
+    import cupy
+
+    codes = []
+
+    class FakeModule:
+        def __init__(self, code, options, name_expressions):
+            codes.append(code)
+
+        def compile(self):
+            pass
+
+    monkeypatch.setattr(cupy, "RawModule", FakeModule)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: __import__("contextlib").nullcontext())
+    names = tuple(gs.programs("float32")["grid_sample_forward.cu"])
+    monkeypatch.setattr(kc, "_read", read)
+    kc.load_module.__wrapped__("grid_sample_forward.cu", names, 0)
+    monkeypatch.setattr(kc, "_read", lambda f: read(f) + ("\n// edited\n" if f == "grid_sample_common.cuh" else ""))
+    kc.load_module.__wrapped__("grid_sample_forward.cu", names, 0)
+    assert codes[0] == before["grid_sample_forward.cu"] and codes[1] != codes[0] and "// edited" in codes[1]
+
+
+# The kernels that read a point's taps through PointTaps, float io (f32 math), every mode. A tap index known only
+# at run time (the deterministic gathers) once indexed PointTaps' arrays and put it in local memory (32-64 byte
+# stack frames); the 16-bit and float64 variants have a few small frames of other origins.
+_TAP_READERS = [f"{k}<float, float, {nd}, {m}>" for k in ("gs_forward", "gs_backward", "gs_keys", "gs_count",
+                                                          "gs_gather", "gs_gather_exact") for nd, m in gs.VARIANTS]
+_TAP_READERS += [f"gs_place<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
+_TAP_READERS += [f"{k}<float, float, {nd}, {m}>" for k in gs.CELL_KERNELS for nd, m in gs.VARIANTS if m != gs.BICUBIC]
+_TAP_READERS += [f"gs_tile_gather<float, {nd}, {m}>" for nd, m in gs.VARIANTS]  # gs_tile_sort<float, 2, 2>: 8 bytes
+
+
+def test_tap_readers_keep_the_taps_in_registers():
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    found = {}
+    for program in {gs.program_of(name) for name in _TAP_READERS}:
+        names = [name for name in _TAP_READERS if gs.program_of(name) == program]
+        found.update(kc.ptxas_resources(program, names, "sm_90", gs.OPTIONS))
     framed = {name: r for name, r in found.items() if r["stack_bytes"] or r["spill_stores"]}
     assert not framed, f"local memory in: {framed}"
-    assert all(r["registers"] > 0 for r in found.values())
+    assert set(found) == set(_TAP_READERS) and all(r["registers"] > 0 for r in found.values())
 
 
 def test_every_kernel_and_variant_is_instantiated():
@@ -225,14 +291,19 @@ class _FakeFunction:
 
 @pytest.fixture
 def cpu_plans(monkeypatch):
-    """Plans built on CPU: kernels are looked up by name only, never compiled or launched."""
-    names = set(gs.name_expressions())
-    monkeypatch.setattr(gs, "_functions", lambda device, dtype, options: {
-        n: _FakeFunction(n) for n in names})
+    """Plans built on CPU: kernels are looked up by name in the program (and dtype) a plan would compile, never
+    compiled or launched; yields the list of (program, dtype) lookups."""
+    lookups = []
+
+    def functions(device, program, dtype, options):
+        lookups.append((program, dtype))
+        return {n: _FakeFunction(n) for n in gs.programs(dtype)[program]}  # KeyError: a name outside its program
+
+    monkeypatch.setattr(gs, "_functions", functions)
     monkeypatch.setattr(gs, "_device_limits", lambda device: (H100_SHARED, H100_SMS))
     gs._forward_plan.cache_clear()
     gs._backward_plan.cache_clear()
-    yield
+    yield lookups
     gs._forward_plan.cache_clear()
     gs._backward_plan.cache_clear()
 
@@ -311,6 +382,31 @@ def test_plans_for_every_configuration_build_on_cpu(cpu_plans, monkeypatch, nd, 
                             assert ("gs_cell_gather" in kernels) == cell and ("gs_gather" in kernels) == (not cell)
                         else:
                             assert not {"gs_count", "gs_gather_exact"} & kernels
+
+
+def test_each_plan_compiles_only_the_programs_of_its_kernels(cpu_plans):
+    def programs_of(build):
+        cpu_plans.clear()
+        build()
+        return {program for program, _ in cpu_plans}
+
+    ishape, gshape = (2, 6, 5, 7), (2, 3, 4, 2)
+    oshape = ishape[:2] + gshape[1:-1]
+    for dtype in gs.CTYPES:
+        ikey = (ishape, gs._contiguous_strides(ishape), dtype, 0)
+        gkey = (gshape, gs._contiguous_strides(gshape), dtype, 0)
+        okey = (oshape, gs._contiguous_strides(oshape), dtype, 0)
+        forward = programs_of(lambda: gs._forward_plan(0, ikey, gkey, "bilinear", "zeros", False, gs._tuning_key()))
+        assert forward == {"grid_sample_forward.cu"}
+        fast = programs_of(lambda: gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, True, True,
+                                                     False, gs._tuning_key()))
+        assert fast == {"grid_sample_backward.cu", "grid_sample_layout.cu"}  # + the channels-last transposes
+        det = programs_of(lambda: gs._backward_plan(0, okey, ikey, gkey, "bilinear", "zeros", False, True, True,
+                                                    True, gs._tuning_key()))
+        grad_input = "grid_sample_sorted.cu" if dtype == "float64" else "grid_sample_counting.cu"
+        assert det == {grad_input, "grid_sample_backward.cu", "grid_sample_layout.cu"}
+    plan = _fast_plan((32, 32, 64, 64), (32, 64, 64, 2))  # the shared-memory kernels alone
+    assert {gs.program_of(op[5]) for op in plan.ops if op[0] == "launch"} == {"grid_sample_tile.cu"}
 
 
 def test_empty_plans_launch_nothing(cpu_plans):
