@@ -4,16 +4,22 @@
                                          [--autotune-limit 3] [--repeats 3]
 
 The cache is made the way a job would make it: one process trains a step in record mode
-(CUDNN_GRAPHS_RECORD), then `cudnn-graphs warmup SPECS --autotune` tunes every recorded spec. Then
-fresh processes, alternating, each timed from its first line (before `import torch`) to the end of
-one AMP fp16 channels_last training step (forward, cross-entropy, backward, SGD), all with the
-driver's JIT cache on (as jobs run):
-  ours            `cudnn_graphs.torch.convert(model)`, plans from the warm autotuned cache
+(CUDNN_GRAPHS_RECORD) with `torch.backends.cudnn.benchmark = True`, as the timed ones run (the convert
+layer plans a geometry first seen with the autotune policy and keeps it in the plan cache), then
+`cudnn-graphs warmup SPECS --autotune` tunes every recorded spec. Then fresh processes, alternating, each
+timed from its first line (before `import torch`) to the end of one AMP fp16 channels_last training step
+(forward, cross-entropy, backward, SGD), all with the driver's JIT cache on (as jobs run):
+  ours            `cudnn_graphs.torch.convert(model)`, cudnn.benchmark=True: autotuned plans read from
+                  the warm cache, nothing timed
+  ours_bm_false   the same, cudnn.benchmark=False (the default session, plans from the same cache)
   torch_bm_true   torch eager, cudnn.benchmark=True (it autotunes in every process; a first
                   process warmed the JIT cache, so each timed one is at least its second)
   torch_bm_false  torch eager, cudnn.benchmark=False
 Each child also reports the seconds of its step alone (after the model is built) and, for ours, the
-session's counters (builds, timings, disk hits): a warm process builds and times nothing.
+counters of the sessions its modules used (builds, autotuned, timings, disk hits): a warm process builds
+and times nothing. Issue 38's goal is `speedup_vs_bm_true` (torch_bm_true / ours, whole process) >= 3;
+`step_speedup_vs_bm_true` is the same ratio of the step alone. Each child's result is printed as one
+JSON line as it ends.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ start = time.perf_counter()
 import json, sys
 import torch, torchvision
 mode, model_name, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
-torch.backends.cudnn.benchmark = mode == "torch_bm_true"
+ours = sys.argv[4] == "ours"
+torch.backends.cudnn.benchmark = sys.argv[5] == "benchmark"
 cl = torch.channels_last
 model = getattr(torchvision.models, model_name)(weights=None).cuda().to(memory_format=cl)
-if mode in ("ours", "record"):
+if ours:
     import cudnn_graphs.torch as cgt
     model = cgt.convert(model)
 x = torch.randn(batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
@@ -51,17 +58,57 @@ loss.backward()
 opt.step()
 torch.cuda.synchronize()
 end = time.perf_counter()
-out = {"seconds": round(end - start, 3), "step_s": round(end - ready, 3), "loss": float(loss)}
-if mode in ("ours", "record"):
+out = {"mode": mode, "benchmark": torch.backends.cudnn.benchmark, "seconds": round(end - start, 3),
+       "step_s": round(end - ready, 3), "loss": float(loss)}
+if ours:
     import cudnn_graphs as cg
-    c = cg.default_session(0).counters()
-    out.update({k: c[k] for k in ("builds", "autotuned", "timings", "disk_hits", "memory_hits")})
+    sessions = {id(cg.default_session(0)): cg.default_session(0)}
+    try:  # the sessions torch's flags chose (cudnn.benchmark: an autotuning one); internal, hence guarded
+        from cudnn_graphs.torch import _conv
+        sessions.update((id(s), s) for s in getattr(_conv, "_SESSIONS", {}).values())
+    except ImportError:
+        pass
+    counts = [s.counters() for s in sessions.values()]
+    out.update({k: sum(c.get(k, 0) for c in counts)
+                for k in ("builds", "autotuned", "timings", "disk_hits", "memory_hits")})
+    out["sessions"] = len(counts)
 print(json.dumps(out))
 """
+OURS = ("ours", "ours_bm_false", "record")
+BENCHMARK_ON = ("ours", "torch_bm_true", "record")  # record as `ours` runs, so the specs match
+MODES = ("ours", "ours_bm_false", "torch_bm_true", "torch_bm_false")
 
 
-def _child(mode: str, args, env: dict) -> dict:
-    return harness.run_fresh(["-c", _CHILD, mode, args.model, str(args.batch)], env=env, timeout=1800)
+def _child(mode: str, args, env: dict, *, required: bool = False) -> dict:
+    """One fresh process of `mode`, its JSON printed as it ends; a failure raises where `required`, else
+    is reported as {"mode", "error"} (the other modes still run)."""
+    argv = ["-c", _CHILD, mode, args.model, str(args.batch), "ours" if mode in OURS else "torch",
+            "benchmark" if mode in BENCHMARK_ON else "no-benchmark"]
+    try:
+        out = harness.run_fresh(argv, env=env, timeout=1800)
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        if required:
+            raise
+        out = {"mode": mode, "error": str(err)[-2000:]}
+    print(json.dumps(out), flush=True)  # kept if a time limit cuts the rest
+    return out
+
+
+def medians(runs: dict[str, list], key: str) -> dict[str, float]:
+    """{mode: median of `key` over its runs that succeeded} (NaN for a mode none of whose runs did)."""
+    return {mode: harness.median(r[key] for r in rs if key in r) for mode, rs in runs.items()}
+
+
+def ratios(med: dict, step: dict) -> dict:
+    """torch's / ours' seconds, whole process and step alone (NaN where a mode was not run)."""
+    def r(a, b):
+        return round(harness.ratio(a, b), 2)
+
+    return {"speedup_vs_bm_true": r(med.get("torch_bm_true"), med.get("ours")),
+            "step_speedup_vs_bm_true": r(step.get("torch_bm_true"), step.get("ours")),
+            "speedup_vs_bm_false": r(med.get("torch_bm_false"), med.get("ours")),
+            "step_speedup_vs_bm_false": r(step.get("torch_bm_false"), step.get("ours")),
+            "ours_bm_false_speedup_vs_bm_true": r(med.get("torch_bm_true"), med.get("ours_bm_false"))}
 
 
 def _json_or_text(text: str):
@@ -78,32 +125,32 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--autotune-limit", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="the timed fresh processes, alternating in this order")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         cache, specs = Path(tmp, "cache"), Path(tmp, "specs.jsonl")
         base = harness.fresh_env(Path(tmp, "pycache"), drop_prefix="CUDNN_GRAPHS_", CUDA_CACHE_PATH=Path(tmp, "jit"),
                                  CUDNN_GRAPHS_CACHE_DIR=cache)
         base.pop("CUDA_CACHE_DISABLE", None)
-        recorded = _child("record", args, {**base, "CUDNN_GRAPHS_RECORD": str(specs)})
+        recorded = _child("record", args, {**base, "CUDNN_GRAPHS_RECORD": str(specs)}, required=True)
         warm = subprocess.run([sys.executable, "-m", "cudnn_graphs", "warmup", str(specs), "--autotune",
                                "--autotune-limit", str(args.autotune_limit), "--no-progress", "--json"],
                               cwd=harness.ROOT, env=base, capture_output=True, text=True, timeout=3600)
         if warm.returncode != 0:
             raise RuntimeError(warm.stderr[-3000:])
         first_torch = _child("torch_bm_true", args, base)  # the JIT cache's first fill for torch's kernels
-        runs: dict[str, list] = {"ours": [], "torch_bm_true": [], "torch_bm_false": []}
+        runs: dict[str, list] = {mode: [] for mode in args.modes}
         for _ in range(args.repeats):
             for mode in runs:
                 runs[mode].append(_child(mode, args, base))
-    med = {mode: harness.median(r["seconds"] for r in rs) for mode, rs in runs.items()}
+    med, step = medians(runs, "seconds"), medians(runs, "step_s")
     result = {"model": args.model, "batch": args.batch, "autotune_limit": args.autotune_limit,
               "record_process": recorded, "warmup": _json_or_text(warm.stdout),
-              "torch_first_process": first_torch, "runs": runs, "median_s": med,
-              "median_step_s": {mode: harness.median(r["step_s"] for r in rs) for mode, rs in runs.items()},
-              "speedup_vs_bm_true": round(med["torch_bm_true"] / med["ours"], 2),
-              "speedup_vs_bm_false": round(med["torch_bm_false"] / med["ours"], 2)}
+              "torch_first_process": first_torch, "runs": runs, "median_s": med, "median_step_s": step,
+              **ratios(med, step)}
     harness.write_json(args.out, result)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "warmup")}, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "warmup")}), flush=True)
     return 0
 
 

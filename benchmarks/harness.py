@@ -15,8 +15,9 @@ Timing (GPU; torch is imported only inside the functions, so this module imports
 Rounds: `interleaved` alternates candidates (ours, torch's ...) round by round and keeps the medians, so
 both see the same host; hosts drift by 20-50 % between runs, so compare within a run.
 Checks: `rel_err` against a float64 reference, `poisoned_like` / `spec_buffers` for outputs that must be
-written (NaN until then). Output: `write_json` (with `metadata()`: device, torch, cuDNN, versions) and
-`png` / `bar_chart` (matplotlib optional: without it a one-line note and no PNG).
+written (NaN until then). Children a benchmark starts: `die_with_parent`. Output: `write_json` (with
+`metadata()`: device, torch, cuDNN, versions) and `png` / `bar_chart` (matplotlib optional: without it a
+one-line note and no PNG).
 """
 
 from __future__ import annotations
@@ -299,6 +300,18 @@ def fresh_env(pycache=None, *, base: dict | None = None, drop_prefix: str | None
         env["PYTHONPYCACHEPREFIX"] = str(pycache)
     env.update({k: str(v) for k, v in variables.items()})
     return env
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn` for benchmark children: the kernel kills the child when its parent dies (a time
+    limit's SIGKILL leaves no rank or model child holding a GPU; Linux only, elsewhere nothing)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def run_fresh(args: list[str], *, env: dict | None = None, timeout: float | None = None, json_lines: bool = True):

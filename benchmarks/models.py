@@ -1,30 +1,66 @@
 """Benchmark (GPU host): torchvision networks with `cudnn_graphs.torch.convert` against torch, one run.
 
-    python -m benchmarks.models --out models.json [--models resnet50 ...] [--compile] [--plot models.png]
+    python -m benchmarks.models --out models.json [--models resnet50 ...] [--no-graphs] [--compile] [--plot models.png]
     python -m benchmarks.models --plot-from models.json [--plot models.png]   # redraw, no GPU
 
-Per model (AMP fp16 autocast, channels_last, cudnn.benchmark=True for torch):
-- train: steady-state ms per training step (forward, cross-entropy, backward, SGD) at --train-batch,
-  ours (`convert(model)`, parameters shared) against torch eager; blocks of steps alternate, CUDA
-  events, medians. With --compile, torch.compile(model) beside them.
+Each model runs in a fresh child process (the same command with `--one NAME`), so CUDA graphs' memory pools,
+the profiler and a failure stay with that model. The child prints its result so far as one JSON line as
+each part ends; the parent echoes them, keeps the last, rewrites --out after each model and goes on to the
+next model when one fails or passes --model-timeout.
+
+Per model (AMP fp16 autocast, channels_last, `cudnn.benchmark=True`: torch autotunes in every process,
+ours plans a geometry first seen with the autotune policy and keeps it in the plan cache):
+- train: a step (forward, cross-entropy, backward, SGD) at --train-batch; the candidates run in the same
+  interleaved rounds:
+    torch          torch eager;
+    ours           `convert(model)` eager (parameters of its own, the same initialisation);
+    torch_graphed  `torch.cuda.make_graphed_callables(model, (static_x,))` as a careful torch user must
+                   write it: under `torch.autocast(..., cache_enabled=False)`, its own warm-up on a side
+                   stream (num_warmup_iters=3), a static input of its own that each batch is copied into;
+    ours_graphed   `cudnn_graphs.torch.capture(convert(model), (x,))` under
+                   `torch.autocast("cuda", dtype=torch.float16)` (which does all of that itself);
+    torch_compile  with --compile, `torch.compile(model)`.
+  Loss, backward and SGD run outside the graphs on both sides, as `capture` leaves them; `--no-graphs`
+  drops the two graphed candidates. Per candidate and step:
+    wall ms (the main number): CUDA events around blocks of --steps steps, no sleep ahead, medians;
+    host ms: one step queued behind a sleep kernel, so the host never waits for the GPU (a sample whose
+      sleep was over before the host had queued the whole step is dropped: the host waited for the GPU,
+      e.g. on a full launch queue of ~1000 launches; `train_host_dropped` counts them);
+    device ms, two ways: `train_device_ms`, the profiler's kernel sum (`harness.kernel_us`, 3 steps;
+      taken last, after inference and the loss curves, as the profiler can leave CUPTI attached), and
+      `train_device_events_ms`, CUDA events around the step behind that sleep (no launch gaps).
+  `train_ratios`: torch / ours of each figure, eager (torch vs ours) and graphed (torch_graphed vs
+  ours_graphed); the summary's `ratio_geomeans` are their geo-means over the models.
 - infer: ms per forward at --infer-batch under no_grad, ours `convert(model.eval(), inference=True)`
   (BatchNorm folded, epilogues fused) against torch eager (and compiled).
 - losses: --loss-steps training steps from one initialisation on fixed random batches, both losses.
-Plans are built (or loaded) before timing: the first iteration is `benchmarks.first_iteration`'s subject.
-Inputs are random; outputs of ours and torch's are compared once per model.
+The float32 check and the loss curves run with `cudnn.benchmark` off (correctness only; no autotuning of
+their geometries). Plans are built (or loaded) before timing: the first iteration is
+`benchmarks.first_iteration`'s subject. Inputs are random; outputs of ours and torch's are compared once per model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import math
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 from benchmarks import harness
 
 MODELS = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_800mf")
+# the pairs each ratio compares (torch's side first) and the figures compared
+PAIRS = {"eager": ("torch", "ours"), "graphed": ("torch_graphed", "ours_graphed")}
+FIGURES = {"wall": "train_ms", "host": "train_host_ms", "device": "train_device_ms",
+           "device_events": "train_device_events_ms"}
+PROFILED_STEPS = 3
 
 
 def alternate(steps_by_name: dict, *, rounds: int, steps: int) -> dict[str, float]:
@@ -48,6 +84,81 @@ def train_step(model, opt, x, target):
     return step
 
 
+def torch_graphed(model, x):
+    """`model` graphed by `torch.cuda.make_graphed_callables` the way torch's documentation asks for
+    under AMP: autocast's cast cache off while graphing, a static input (a copy of the batch: each call
+    with another tensor copies it in, as each new batch of a loader would), warm-up steps on a side
+    stream before capture (make_graphed_callables runs them). Returns the module, its forward replaced."""
+    import torch
+
+    static_x = x.clone()
+    with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+        return torch.cuda.make_graphed_callables(model, (static_x,), num_warmup_iters=3)
+
+
+def ours_graphed(model, x):
+    """`capture(convert(model), (x,))` under the autocast the loop runs in, as its docstring shows."""
+    import torch
+
+    import cudnn_graphs.torch as cgt
+
+    with torch.autocast("cuda", dtype=torch.float16):
+        return cgt.capture(cgt.convert(model), (x,))
+
+
+class BehindSleep:
+    """An `interleaved` measure: host ms of one step queued behind a sleep of `cycles`, and (kept in
+    `device`, by step) the CUDA events' ms around it. A sample is kept only where the sleep was still
+    running when the host had queued the step (the host never waited, and the step's kernels ran back to
+    back); the others are counted in `dropped`."""
+
+    def __init__(self, cycles: int):
+        self.cycles = cycles
+        self.device: dict = {}
+        self.dropped: dict = {}
+
+    def __call__(self, step) -> list[float]:
+        import torch
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        harness.sleep(self.cycles)
+        start.record()
+        began = time.perf_counter()
+        step()
+        host_ms = (time.perf_counter() - began) * 1e3
+        end.record()
+        in_time = not start.query()  # the sleep still running: nothing of the step has started yet
+        end.synchronize()
+        if not in_time:
+            self.dropped[step] = self.dropped.get(step, 0) + 1
+            return []
+        self.device.setdefault(step, []).append(start.elapsed_time(end))
+        return [host_ms]
+
+
+def profiled_ms(step) -> float:
+    """Device ms per step: the profiler's CUDA kernels, memsets and copies summed (NaN if it saw none)."""
+    total = sum(harness.kernel_us(step, calls=PROFILED_STEPS, warmup=1).values()) / 1e3
+    return total if total > 0 else float("nan")
+
+
+def train_ratios(out: dict) -> dict[str, dict[str, float]]:
+    """{pair: {figure: torch's / ours}} of one model's result (NaN where either is missing)."""
+    return {pair: {figure: harness.ratio(out.get(key, {}).get(theirs), out.get(key, {}).get(ours))
+                   for figure, key in FIGURES.items()}
+            for pair, (theirs, ours) in PAIRS.items()}
+
+
+def emit(out: dict, phase: str) -> None:
+    """One JSON line: the model's result so far (what the parent keeps if the child stops after it)."""
+    print(json.dumps({**out, "phase": phase}, default=str), flush=True)
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"[:1000]
+
+
 def bench_model(name: str, args) -> dict:
     import torch
     import torchvision
@@ -57,7 +168,7 @@ def bench_model(name: str, args) -> dict:
     cl = torch.channels_last
     torch.manual_seed(0)
     base = getattr(torchvision.models, name)(weights=None).cuda().to(memory_format=cl)
-    out: dict = {"model": name}
+    out: dict = {"model": name, "device": torch.cuda.get_device_name(), "errors": {}}
     t0 = time.perf_counter()
 
     # -- training steady state --------------------------------------------------------------------
@@ -65,27 +176,41 @@ def bench_model(name: str, args) -> dict:
     target = torch.randint(0, 1000, (args.train_batch,), device="cuda")
     models = {"torch": copy.deepcopy(base), "ours": cgt.convert(copy.deepcopy(base))}
     out["converted"] = len(models["ours"].cudnn_graphs_report.replaced)
+    if args.graphs:
+        for key, make in (("torch_graphed", torch_graphed), ("ours_graphed", ours_graphed)):
+            try:
+                models[key] = make(copy.deepcopy(base), x)
+                torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001 - reported; the other candidates still run
+                out["errors"][key] = _error(err)
     if args.compile:
         models["torch_compile"] = torch.compile(copy.deepcopy(base))
     steps = {k: train_step(m, torch.optim.SGD(m.parameters(), lr=1e-4), x, target) for k, m in models.items()}
-    for step in steps.values():  # plans built, kernels loaded, autotuned by torch, compiled
+    for step in steps.values():  # plans built, kernels loaded, autotuned by torch, compiled, SGD's state
         for _ in range(3):
             step()
     torch.cuda.synchronize()
     out["setup_s"] = round(time.perf_counter() - t0, 1)
-    train = alternate(steps, rounds=args.rounds, steps=args.steps)
-    out["train_ms"] = train
-    out["train_speedup"] = train["torch"] / train["ours"]
-    print(json.dumps({"model": name, "train_ms": train}), flush=True)  # kept if a time limit cuts the rest
-    del steps, models
+    # a sleep well past the slowest candidate's step, so each host sample is queued behind it
+    out["train_sleep_ms"] = round(max(50.0, 3 * max(harness.wall_ms(s, calls=3) for s in steps.values())), 1)
+    behind = BehindSleep(harness.sleep_cycles_for(out["train_sleep_ms"]))
+    measures = {"wall": lambda step: harness.device_ms(step, calls=args.steps, sleep_cycles=0), "host": behind}
+    got = harness.interleaved(steps, measures, rounds=args.rounds)
+    out["train_ms"], out["train_host_ms"] = got["wall"], got["host"]
+    out["train_device_events_ms"] = {k: harness.median(behind.device.get(s, [])) for k, s in steps.items()}
+    out["train_host_dropped"] = {k: behind.dropped.get(s, 0) for k, s in steps.items()}
+    out["train_speedup"] = harness.ratio(got["wall"]["torch"], got["wall"]["ours"])
+    out["graphed_speedup"] = harness.ratio(got["wall"].get("torch_graphed"), got["wall"].get("ours_graphed"))
+    out["train_ratios"] = train_ratios(out)
+    emit(out, "train")  # kept if a time limit cuts the rest
 
     # -- inference --------------------------------------------------------------------------------
-    base.eval()
+    eval_base = copy.deepcopy(base).eval()
     xi = torch.randn(args.infer_batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=cl)
-    infer_models = {"torch": copy.deepcopy(base).half(),
-                    "ours": cgt.convert(copy.deepcopy(base).half(), inference=True)}
+    infer_models = {"torch": copy.deepcopy(eval_base).half(),
+                    "ours": cgt.convert(copy.deepcopy(eval_base).half(), inference=True)}
     if args.compile:
-        infer_models["torch_compile"] = torch.compile(copy.deepcopy(base).half())
+        infer_models["torch_compile"] = torch.compile(copy.deepcopy(eval_base).half())
     report = infer_models["ours"].cudnn_graphs_report
     out["inference_fusion"] = {"folded_batchnorm": len(report.folded_batchnorm),
                                "fused_activation": len(report.fused_activation),
@@ -99,25 +224,52 @@ def bench_model(name: str, args) -> dict:
 
     fwd = {k: forward(m) for k, m in infer_models.items()}
     with torch.no_grad():
-        ref, got = infer_models["torch"](xi).double(), infer_models["ours"](xi).double()
-    out["infer_finite"] = {"torch": bool(ref.isfinite().all()), "ours": bool(got.isfinite().all())}
+        ref, got_i = infer_models["torch"](xi).double(), infer_models["ours"](xi).double()
+    out["infer_finite"] = {"torch": bool(ref.isfinite().all()), "ours": bool(got_i.isfinite().all())}
     # relative to the reference, or absolute where it is all zeros (a randomly initialised head can be)
-    out["infer_rel_err_fp16"] = float((got - ref).norm() / ref.norm()) if ref.norm() > 0 else None
-    out["infer_max_abs_err_fp16"] = float((got - ref).abs().max())
-    out["infer_rel_err_fp32"] = _fp32_check(base, xi.float())
+    out["infer_rel_err_fp16"] = float((got_i - ref).norm() / ref.norm()) if ref.norm() > 0 else None
+    out["infer_max_abs_err_fp16"] = float((got_i - ref).abs().max())
+    out["infer_rel_err_fp32"] = _fp32_check(eval_base, xi.float())
     for step in fwd.values():
         for _ in range(3):
             step()
     infer = alternate(fwd, rounds=args.rounds, steps=args.steps)
     out["infer_ms"] = infer
-    out["infer_speedup"] = infer["torch"] / infer["ours"]
+    out["infer_speedup"] = harness.ratio(infer["torch"], infer["ours"])
     del fwd, infer_models
+    emit(out, "infer")
 
     # -- loss curves from one initialisation ------------------------------------------------------
     if args.loss_steps:
-        out["losses"] = loss_curves(base.train(), args)
-    print(json.dumps({k: v for k, v in out.items() if k != "losses"}), flush=True)
+        with untuned():
+            out["losses"] = loss_curves(base.train(), args)
+        emit(out, "losses")
+
+    # -- device time by the profiler, last: it can leave CUPTI attached, costing host time after it ---
+    out["train_device_ms"] = {}
+    for k, step in steps.items():
+        try:
+            out["train_device_ms"][k] = profiled_ms(step)
+        except Exception as err:  # noqa: BLE001 - the profiler's figure is one of two
+            out["train_device_ms"][k] = float("nan")
+            out["errors"][f"profiler {k}"] = _error(err)
+    out["train_ratios"] = train_ratios(out)
+    emit(out, "done")
     return out
+
+
+@contextlib.contextmanager
+def untuned():
+    """`cudnn.benchmark` off inside: correctness checks (the float32 outputs, the loss curves) need no
+    autotuned plans, and their geometries would each cost both sides an autotuning otherwise."""
+    import torch
+
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 def _fp32_check(base, x) -> float:
@@ -130,7 +282,7 @@ def _fp32_check(base, x) -> float:
     saved = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), untuned():
             want = copy.deepcopy(base).float()(x).double()
             got = cgt.convert(copy.deepcopy(base).float(), inference=True)(x).double()
     finally:
@@ -162,17 +314,31 @@ def loss_curves(base, args) -> dict[str, list[float]]:
 
 
 def plot(results: list[dict], path: Path, *, title: str = "") -> None:
-    """Speedups (torch ms / ours ms) for training and inference, and each model's loss curves."""
+    """Speedups (torch ms / ours ms) for training (eager, and both sides under CUDA graphs where measured)
+    and inference, and each model's loss curves."""
+    def bars(ax, names, series):
+        width = 0.8 / max(len(series), 1)
+        for i, (label, values) in enumerate(series.items()):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
+            heights = [float("nan") if v is None else v for v in values]
+            drawn = ax.bar(xs, heights, width, label=label,
+                           color=["tab:green" if h >= 1 else "tab:red" for h in heights] if len(series) == 1 else None)
+            ax.bar_label(drawn, labels=["" if math.isnan(h) else f"{h:.2f}x" for h in heights], fontsize=7)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.axhline(1.0, color="k", lw=0.8)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+
     def draw(plt):
         names = [r["model"] for r in results]
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-        for ax, key, label in ((axes[0], "train_speedup", "training step"), (axes[1], "infer_speedup", "inference")):
-            bars = ax.bar(names, [r[key] for r in results], color=["tab:green" if r[key] >= 1 else "tab:red"
-                                                                  for r in results])
-            ax.bar_label(bars, fmt="%.2fx", fontsize=8)
-            ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_title(f"{label}: torch ms / ours ms")
-            ax.tick_params(axis="x", rotation=30)
+        train = {"eager": [r.get("train_speedup") for r in results]}
+        if any(_finite(r.get("graphed_speedup")) for r in results):
+            train["CUDA graphs, both sides"] = [r.get("graphed_speedup") for r in results]
+        bars(axes[0], names, train)
+        axes[0].set_title("training step: torch ms / ours ms")
+        bars(axes[1], names, {"inference": [r.get("infer_speedup") for r in results]})
+        axes[1].set_title("inference: torch ms / ours ms")
         for i, r in enumerate(results):
             losses = r.get("losses") or {}
             color = f"C{i}"
@@ -190,14 +356,63 @@ def plot(results: list[dict], path: Path, *, title: str = "") -> None:
     harness.png(path, draw)
 
 
-def _summary(results: list[dict], args, *, device: str, torch_version: str, complete: bool) -> dict:
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def geo(values) -> float:
+    """Geo-mean of the finite positive values (NaN where there is none)."""
+    return harness.geomean(v for v in values if _finite(v))
+
+
+def summary(results: list[dict], args, *, device: str, torch_version: str, complete: bool) -> dict:
     return {"device": device, "torch": torch_version, "models": results, "complete": complete,
             "policy": args.policy, "autotune_limit": args.autotune_limit if args.policy == "autotune" else None,
-            "train_geomean": harness.geomean(r["train_speedup"] for r in results),
-            "infer_geomean": harness.geomean(r["infer_speedup"] for r in results)}
+            "graphs": args.graphs,
+            "train_geomean": geo(r.get("train_speedup") for r in results),
+            "graphed_geomean": geo(r.get("graphed_speedup") for r in results),
+            "infer_geomean": geo(r.get("infer_speedup") for r in results),
+            "ratio_geomeans": {pair: {figure: geo(r.get("train_ratios", {}).get(pair, {}).get(figure) for r in results)
+                                      for figure in FIGURES} for pair in PAIRS},
+            "failed": [r["model"] for r in results if r.get("phase") != "done"]}
+
+
+def run_child(command: list[str], name: str, *, timeout: float) -> dict:
+    """Run one model's child, echoing its stdout; its last JSON line about `name` (with "error" added
+    where it failed, ran past `timeout` seconds or printed none)."""
+    last: dict = {"model": name}
+    proc = subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True,  # stderr: ours
+                            preexec_fn=harness.die_with_parent)
+    late = threading.Event()
+    timer = threading.Timer(timeout, lambda: (late.set(), proc.kill()))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if line.startswith("{"):
+                try:
+                    got = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(got, dict) and got.get("model") == name:
+                    last = got
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # the parent is being stopped: the child goes with it
+            proc.kill()
+            proc.wait()
+    if code != 0:
+        last["error"] = f"the child exited {code}" + (f", stopped after {timeout:g} s" if late.is_set() else "")
+    return last
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_child, which kills the child
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path)
@@ -207,11 +422,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--loss-steps", type=int, default=20)
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="train both sides under CUDA graphs too: torch's make_graphed_callables against "
+                        "cudnn_graphs.torch.capture (default on)")
     p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
     p.add_argument("--policy", choices=("heuristic", "autotune"), default="heuristic",
-                   help="how our plans are chosen: torch autotunes (benchmark=True), so `autotune` compares like "
-                        "with like, as a job whose cache `warmup --autotune` filled")
+                   help="the policy of the device's default session; under cudnn.benchmark=True (set here) "
+                        "the converted modules plan with the autotune policy whatever this says")
     p.add_argument("--autotune-limit", type=int, default=3, help="candidates timed per spec with --policy autotune")
+    p.add_argument("--model-timeout", type=float, default=900, help="seconds one model's child may run")
+    p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the child: one model, JSON lines
     p.add_argument("--plot-from", type=Path, metavar="JSON", help="only draw --plot from results written by --out "
                    "(no GPU needed)")
     args = p.parse_args(argv)
@@ -220,25 +440,42 @@ def main(argv=None) -> int:
         plot(stored["models"], args.plot or args.plot_from.with_suffix(".png"),
              title=f"{stored.get('device', '')}, torch {stored.get('torch', '')}: AMP fp16, channels_last")
         return 0
+    if args.one:
+        return _child(args)
     if not args.models:
         p.error("--models: name at least one model")
     import torch
 
+    if not torch.cuda.is_available():  # no CUDA context in the parent: the GPU is the children's
+        print("benchmarks.models needs a CUDA GPU", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _stop)
+    results: list[dict] = []
+    for name in args.models:  # the JSON is rewritten after each model: a run cut short keeps what it measured
+        results.append(run_child([sys.executable, "-m", "benchmarks.models", *argv, "--one", name], name,
+                                 timeout=args.model_timeout))
+        device = next((r["device"] for r in results if r.get("device")), None)
+        result = summary(results, args, device=device, torch_version=torch.__version__,
+                         complete=len(results) == len(args.models))
+        if args.out:
+            harness.write_json(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "models"}, default=str), flush=True)
+    print(f"geo-mean speedup: training eager {result['train_geomean']:.2f}x, under CUDA graphs "
+          f"{result['graphed_geomean']:.2f}x, inference {result['infer_geomean']:.2f}x")
+    if args.plot:
+        plot(results, args.plot, title=f"{device}, torch {torch.__version__}: AMP fp16, channels_last")
+    return 1 if result["failed"] else 0
+
+
+def _child(args) -> int:
+    import torch
+
     torch.backends.cudnn.benchmark = True
-    if args.policy == "autotune":  # the device's shared session, which the modules use, made autotuning
+    if args.policy == "autotune":  # the device's shared session made autotuning
         from cudnn_graphs.plan import session as sessions
 
         sessions._sessions[0] = sessions.Session(device=0, policy="autotune", autotune_limit=args.autotune_limit)
-    results: list[dict] = []
-    for name in args.models:  # the JSON is rewritten after each model: a run cut short keeps what it measured
-        results.append(bench_model(name, args))
-        summary = _summary(results, args, device=torch.cuda.get_device_name(), torch_version=torch.__version__,
-                           complete=len(results) == len(args.models))
-        if args.out:
-            harness.write_json(args.out, summary)
-    print(f"geo-mean speedup: training {summary['train_geomean']:.2f}x, inference {summary['infer_geomean']:.2f}x")
-    if args.plot:
-        plot(results, args.plot, title=f"{summary['device']}, torch {summary['torch']}: AMP fp16, channels_last")
+    bench_model(args.one, args)
     return 0
 
 

@@ -256,3 +256,67 @@ def test_the_readmes_links_resolve(readme):
             if anchor not in {_slug(h) for h in headings}:
                 bad.append(f"{target} (no such heading)")
     assert not bad, f"{readme}: {bad}"
+
+
+# --- the model, DDP and first-iteration benchmarks' parts that need no GPU ---------------------------------
+
+def test_models_ratios_and_summary_skip_what_is_missing():
+    from benchmarks import models
+
+    out = {"train_ms": {"torch": 20.0, "ours": 16.0, "torch_graphed": 12.0, "ours_graphed": 10.0},
+           "train_host_ms": {"torch": 15.0, "ours": float("nan")}}
+    got = models.train_ratios(out)
+    assert got["eager"]["wall"] == 1.25 and got["graphed"]["wall"] == pytest.approx(1.2)
+    assert math.isnan(got["eager"]["host"]) and math.isnan(got["graphed"]["device"])  # NaN, or not measured
+    results = [{"model": "a", "phase": "done", "train_speedup": 1.0, "graphed_speedup": 1.0, "infer_speedup": 1.0,
+                "train_ratios": got},
+               {"model": "b", "phase": "done", "train_speedup": 4.0, "graphed_speedup": float("nan"),
+                "infer_speedup": 4.0},
+               {"model": "c", "phase": "train", "train_speedup": 0.25, "error": "the child exited 1"}]
+    args = type("Args", (), {"policy": "heuristic", "autotune_limit": 3, "graphs": True})
+    summary = models.summary(results, args, device="X", torch_version="t", complete=True)
+    assert summary["train_geomean"] == pytest.approx(1.0)  # 1, 4 and 0.25: a model cut short keeps what it measured
+    assert summary["graphed_geomean"] == pytest.approx(1.0) and summary["infer_geomean"] == pytest.approx(2.0)
+    assert summary["ratio_geomeans"]["eager"]["wall"] == 1.25 and math.isnan(summary["ratio_geomeans"]["eager"]["host"])
+    assert summary["failed"] == ["c"]
+    json.dumps(summary)
+
+
+def test_models_parent_keeps_each_childs_last_line(capsys):
+    from benchmarks import models
+
+    line = "import json; print('noise'); print(json.dumps({'model': 'm', 'phase': 'train'})); "
+    done = models.run_child([sys.executable, "-c", line + "print(json.dumps({'model': 'm', 'phase': 'done'}))"],
+                            "m", timeout=60)
+    assert done == {"model": "m", "phase": "done"} and "noise" in capsys.readouterr().out  # echoed
+    failed = models.run_child([sys.executable, "-c", line + "raise SystemExit(3)"], "m", timeout=60)
+    assert failed["phase"] == "train" and failed["error"] == "the child exited 3"
+    late = models.run_child([sys.executable, "-c", line + "import time; time.sleep(60)"], "m", timeout=1)
+    assert late["phase"] == "train" and "stopped after 1 s" in late["error"]
+
+
+def test_ddp_refuses_without_two_gpus_and_starts_ranks_as_torchrun_does():
+    from benchmarks import ddp
+
+    for argv in ([], ["--gpus", "1"]):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.ddp", *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode != 0 and ("needs" in done.stderr or "at least 2" in done.stderr), done.stderr[-2000:]
+    env = ddp.rank_env(1, 2, 29999, base={"PYTHONPATH": "/x"})
+    assert env["RANK"] == env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_PORT"] == "29999"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/x"]
+    s = ddp.summary({"torch": [30.0, 20.0, 25.0], "ours": [20.0, 25.0, 22.0]}, {"torch": [6.9, 6.1], "ours": [6.9, 6.2]})
+    assert s["ms_per_step"] == {"torch": 25.0, "ours": 22.0} and s["ratio"] == pytest.approx(25 / 22)
+    assert math.isnan(s["ratio_captured"]) and s["loss_after"] == {"torch": 6.1, "ours": 6.2}
+
+
+def test_first_iteration_ratios_skip_failed_processes():
+    from benchmarks import first_iteration
+
+    runs = {"ours": [{"seconds": 3.0, "step_s": 1.0}, {"mode": "ours", "error": "x"}],
+            "torch_bm_true": [{"seconds": 9.0, "step_s": 4.0}], "ours_bm_false": [{"mode": "ours_bm_false", "error": "y"}]}
+    med, step = first_iteration.medians(runs, "seconds"), first_iteration.medians(runs, "step_s")
+    got = first_iteration.ratios(med, step)
+    assert got["speedup_vs_bm_true"] == 3.0 and got["step_speedup_vs_bm_true"] == 4.0
+    assert math.isnan(got["speedup_vs_bm_false"]) and math.isnan(got["ours_bm_false_speedup_vs_bm_true"])
