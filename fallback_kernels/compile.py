@@ -53,6 +53,16 @@ def load_module(filename: str, name_expressions: tuple[str, ...], device: int,
 
 
 @functools.lru_cache(maxsize=None)
+def source_digest(filename: str, options: tuple[str, ...] = BASE_OPTIONS) -> str:
+    """A short digest of a kernel source's text (its includes pasted) and compile options: stored with a
+    cubin in a plan record, so a record whose cubin came from other source is compiled again, not run."""
+    import hashlib
+
+    text = "\0".join((source(filename), *options))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def cubin(filename: str, name_expression: str, arch: str, options: tuple[str, ...] = BASE_OPTIONS) -> tuple[bytes, str]:
     """(cubin, lowered name) of one kernel instantiation for `arch` (e.g. "sm_90"), compiled with NVRTC
     (no GPU needed). Plans keep the cubin in their record, so a warm process loads it with the driver

@@ -73,6 +73,7 @@ class KernelPart:
     behavior_notes: tuple[str, ...] = ()
     numerical_notes: tuple[str, ...] = ()
     deterministic: bool = True  # elementwise, or one block per channel with a fixed reduction order
+    source: str = ""  # source_digest() of the text the cubin was compiled from (kept in the record)
 
     def runner(self, slots: dict[str, int], fixed: dict[str, int], workspace_ptr: int, stream_ptr: int,
                handles: Any) -> Any:
@@ -115,7 +116,12 @@ def _part(name: str, roles: tuple[str, ...], expression: str, device: int, grid:
     cubin, lowered = compiled or _compile.cubin("epilogue.cu", expression, _arch(device), OPTIONS)
     driver.function(cubin, lowered, device)  # load now: a stored cubin that will not load fails the plan's load
     return KernelPart(name, roles, f"kernel:{expression}", device, cubin, lowered, grid, block, args, then,
-                      workspace_size)
+                      workspace_size, source=source_digest())
+
+
+def source_digest() -> str:
+    """What a stored cubin of these kernels must have been compiled from to be loaded (else compiled again)."""
+    return _compile.source_digest("epilogue.cu", OPTIONS)
 
 
 def _names(lowered: str, expression: str) -> bool:

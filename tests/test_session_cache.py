@@ -185,3 +185,36 @@ def test_cache_verify_names_a_record_planned_under_older_rules():
     spec = _depthwise_bias()
     status, detail = verify_load(plan_to_record(_fake_plan(spec), env=environment(0)))
     assert status == "unusable" and "older rules" in detail and "depthwise_fwd_epilogue_unfused" in detail
+
+
+def test_a_stored_cubin_is_used_only_when_compiled_from_this_versions_kernel_source():
+    """A record's kernel part keeps its cubin and the digest of the source it came from; a record from a
+    version whose epilogue.cu differs (same function name, perhaps another body or argument list) is
+    compiled again instead of run."""
+    from fallback_kernels import epilogue
+    from cudnn_graphs.plan.parts import stored_kernel
+
+    blobs = [b"\x7fELF-cubin"]
+    entry = {"kind": "kernel", "blob_index": 0, "function": "_Z3fwdPf", "source": epilogue.source_digest()}
+    assert stored_kernel(entry, blobs) == (blobs[0], "_Z3fwdPf")
+    assert stored_kernel({**entry, "source": "0" * 16}, blobs) is None, "another version's source"
+    assert stored_kernel({k: v for k, v in entry.items() if k != "source"}, blobs) is None, "a record from before"
+    assert stored_kernel({**entry, "blob_index": 1}, blobs) is None and stored_kernel({**entry, "blob_index": -1}, blobs) is None
+    assert stored_kernel(entry, [None]) is None
+
+
+def test_the_kernel_source_digest_follows_every_included_file(monkeypatch):
+    from fallback_kernels import compile as kc
+
+    before = kc.source_digest("epilogue.cu")
+    real = kc._read
+
+    def edited(name):
+        return real(name) + ("\n// edited" if name == "types.cuh" else "")
+
+    kc.source_digest.cache_clear()
+    monkeypatch.setattr(kc, "_read", edited)
+    try:
+        assert kc.source_digest("epilogue.cu") != before, "a header edit must change the digest"
+    finally:
+        kc.source_digest.cache_clear()

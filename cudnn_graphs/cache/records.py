@@ -60,7 +60,7 @@ def _part_meta(part) -> dict[str, Any]:
     common = {"name": part.name, "engine": part.engine, "workspace_size": int(part.workspace_size),
               "behavior_notes": list(part.behavior_notes)}
     if not hasattr(part, "graph"):
-        return {"kind": "kernel", **common, "function": part.function_name}
+        return {"kind": "kernel", **common, "function": part.function_name, "source": part.source}
     entry = {"kind": "cudnn", **common, "roles": list(part.roles), "engine_id": part.engine_id,
              "knobs": dict(part.knobs), "scalars": [[uid, float(a[0])] for uid, a in part.scalars.items()],
              "nondeterministic_excluded": bool(part.nondeterministic_excluded),

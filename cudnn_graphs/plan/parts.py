@@ -24,6 +24,19 @@ def kernel_part(spec, name: str, intermediates: dict, device: int, compiled: tup
     raise AssertionError(f"no fallback kernel for graph part {name!r}")
 
 
+def stored_kernel(entry: dict, blobs: list) -> tuple | None:
+    """(cubin, lowered name) of a record's kernel part, or None where it must be compiled again: no
+    usable blob, or a cubin compiled from other kernel source than this version's (an upgrade or an edit
+    kept the function's name but may have changed its body or arguments)."""
+    from fallback_kernels import epilogue
+
+    index, function = entry.get("blob_index"), entry.get("function")
+    cubin = blobs[index] if isinstance(index, int) and 0 <= index < len(blobs) else None
+    if not isinstance(cubin, bytes) or not isinstance(function, str) or entry.get("source") != epilogue.source_digest():
+        return None
+    return cubin, function
+
+
 def scalar_arrays(spec, values: dict[int, float]) -> dict[int, np.ndarray]:
     # cuDNN reads each scalar through a host pointer as exactly the declared compute type.
     dtype = np.float64 if spec.compute_dtype == dtypes.FLOAT64 else np.float32

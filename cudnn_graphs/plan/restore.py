@@ -15,7 +15,7 @@ from ..errors import CudnnBackendError, NoGpuError
 from ..execute import cudnn_backend
 from ..graph import ROLE_UIDS, build_graph, frontend, serialized
 from .handles import require_gpu
-from .parts import kernel_part, notes_source, scalar_arrays
+from .parts import kernel_part, notes_source, scalar_arrays, stored_kernel
 from .plan import Plan, PlannedPart
 
 log = logging.getLogger("cudnn_graphs")
@@ -49,10 +49,9 @@ def restore_part(session, stored: StoredPlan, i: int):
     require_gpu(session.env, session.device)
     spec, meta, blobs, entry = stored.spec, stored.meta, stored.blobs, stored.meta["parts"][i]
     if entry["kind"] == "kernel":
-        index, function = entry.get("blob_index"), entry.get("function")
-        cubin = blobs[index] if isinstance(index, int) and index < len(blobs) else None
-        compiled = (cubin, function) if isinstance(cubin, bytes) and isinstance(function, str) else None
-        return kernel_part(spec, entry["name"], stored.intermediates, session.device, compiled), "disk"
+        compiled = stored_kernel(entry, blobs)
+        part = kernel_part(spec, entry["name"], stored.intermediates, session.device, compiled)
+        return part, "disk" if compiled is not None else "knobs"  # compiled anew: the record is rewritten
     blob = blobs[entry["blob_index"]]
     scalars = scalar_arrays(spec, {int(uid): v for uid, v in entry["scalars"]})
     graph, index, how = None, 0, "disk"
