@@ -1,14 +1,16 @@
 """Probe (GPU host): grid_sample backward device time per algorithm, this kernel source against another one.
 
-    git show HEAD~1:fallback_kernels/grid_sample.cu > before.cu
-    python -m tools.probe_grid_sample_backward --before before.cu --out probe_grid_sample_backward.json
+    mkdir before && git archive HEAD~1 fallback_kernels | tar -x -C before
+    python -m tools.probe_grid_sample_backward --before before/fallback_kernels --out probe_grid_sample_backward.json
 
 Per shape (random grids over [-1.1, 1.1], both gradients) and algorithm -- fast or deterministic, through the
 shared-memory tile kernels or, with TUNING["tile"] off, the global ones (gs_backward; gs_count / gs_place /
 gs_gather_exact or the sorted keys) -- device us per call (median of blocks of back-to-back calls behind a
 GPU sleep) for the current source and for --before, and the largest difference between the two sources'
 gradients; with --kernels, each kernel's device us as well. Written to compare a refactor of the kernels against
-the code it replaced.
+the code it replaced. --before is another version's fallback_kernels folder: each grid_sample program is read
+from it (its includes from it too), or, for a version from before the split, every program from its one
+grid_sample.cu.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def device_us(fn, *, cycles: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, type=Path, help="another grid_sample.cu to compare against")
+    ap.add_argument("--before", required=True, type=Path,
+                    help="another version's fallback_kernels folder (its grid_sample*.cu and headers)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernels", action="store_true", help="also each kernel's device us (torch.profiler)")
     args = ap.parse_args(argv)
@@ -61,11 +64,22 @@ def main(argv=None) -> int:
     from fallback_kernels import grid_sample as gs
 
     current = compile_mod.source
-    before = args.before.read_text()
+    folder = args.before
+    if not folder.is_dir():
+        raise SystemExit(f"--before {folder}: not a folder of kernel sources (see --help)")
+
+    def before_text(filename: str, seen: set) -> str:
+        seen.add(filename)
+        path = folder / filename
+        if not path.exists() and filename.startswith("grid_sample") and filename.endswith(".cu"):
+            path = folder / "grid_sample.cu"  # a version from before the split: one file held every program
+        text = path.read_text() if path.exists() else compile_mod._read(filename)
+        return compile_mod._LOCAL_INCLUDE.sub(lambda m: "" if m.group(1) in seen else before_text(m.group(1), seen),
+                                              text)
 
     def source(filename: str) -> str:  # the --before text while TUNING's options name it
-        if filename == "grid_sample.cu" and "-DPROBE_BEFORE" in gs.TUNING.get("options", ()):
-            return compile_mod._LOCAL_INCLUDE.sub(lambda m: current(m.group(1)), before)
+        if filename.startswith("grid_sample") and "-DPROBE_BEFORE" in gs.TUNING.get("options", ()):
+            return before_text(filename, set())
         return current(filename)
 
     compile_mod.source = source
