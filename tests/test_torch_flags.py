@@ -40,8 +40,29 @@ def test_benchmark_means_an_autotuning_session_and_off_means_the_default(session
         tuned = _conv._session(0)
         assert tuned.policy == "autotune" and not tuned.deterministic
         assert _conv._session(0) is tuned  # one per device and flags, not one per call
-        assert _conv._session(0, benchmark=False) is None  # what a capture plans with (no timing inside it)
     assert tuned.device == 0
+
+
+@pytest.mark.parametrize("how", ["benchmark", "policy variable"])
+def test_inside_a_capture_a_session_that_would_autotune_plans_with_heuristics(sessions, monkeypatch, how):
+    """Timing synchronises, which a CUDA-graph capture cannot hold: whether autotuning comes from
+    cudnn.benchmark or from $CUDNN_GRAPHS_POLICY, a call first seen inside a capture plans with heuristics
+    (same determinism), provisionally; outside a capture the autotuning session plans."""
+    from cudnn_graphs import plan as plan_mod
+
+    if how == "policy variable":
+        monkeypatch.setenv("CUDNN_GRAPHS_POLICY", "autotune")
+        default = plan_mod.Session(device=0)
+        monkeypatch.setattr(_conv, "default_session", lambda device: default)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with cudnn.flags(enabled=True, benchmark=how == "benchmark", deterministic=True):
+        eager, provisional = _conv.planning_session(0)
+        assert eager.policy == "autotune" and not provisional
+        capturing[0] = True
+        in_capture, provisional = _conv.planning_session(0)
+        assert provisional and in_capture.policy == "heuristic" and in_capture.deterministic
+        assert _conv.planning_session(0)[0] is in_capture, "one heuristic session per device and determinism"
 
 
 def test_determinism_with_and_without_benchmark(sessions):

@@ -34,10 +34,9 @@ from gpu_launch.replay import Replay
 from gpu_launch.streams import capture_probe
 
 from ..errors import UnsupportedGraphError
-from ..plan import default_session
 from ..plan.launcher import _Prepared
 from ..spec import ConvBwdDataSpec, ConvBwdFilterSpec, ConvFwdSpec
-from ._conv import _session
+from ._conv import planning_session
 
 log = logging.getLogger("cudnn_graphs")
 
@@ -184,14 +183,19 @@ class Chain:
                tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.stages]))
         program = self._plans.get(key, 0)
         if program == 0:
-            program = self._plans[key] = self._plan(x, residual, dtype)
+            program, provisional = self._plan(x, residual, dtype)
+            if not provisional:  # planned inside a capture without the tuning asked for: not kept
+                self._plans[key] = program
         return program
 
-    def _plan(self, x, residual, dtype) -> "_Program | None":
+    def _plan(self, x, residual, dtype) -> "tuple[_Program | None, bool]":
+        """(program, provisional): provisional where planned inside a capture with heuristics for a session
+        that autotunes (`_conv.planning_session`)."""
+        provisional = False
         why = _unsupported(self, x, residual, dtype)
         if why is None:
             device = x.get_device()
-            session = _session(device) or default_session(device)
+            session, provisional = planning_session(device)
             try:
                 plans, shape = [], tuple(x.shape)
                 for i, st in enumerate(self.stages):
@@ -207,8 +211,8 @@ class Chain:
         self._why = why
         if why is not None:
             log.info("cudnn_graphs: a conv-BatchNorm run of %s runs unfused: %s", tuple(x.shape), why)
-            return None
-        return _Program(self, plans, x.get_device())
+            return None, provisional
+        return _Program(self, plans, x.get_device()), provisional
 
 
 def _unsupported(chain: Chain, x, residual, dtype) -> str | None:

@@ -152,6 +152,25 @@ def _session(device: int, *, benchmark: bool | None = None):
     return session
 
 
+def planning_session(device: int) -> tuple[Any, bool]:
+    """(session, provisional): the session to plan a new call with, torch's flags' or the device's default.
+    Inside a CUDA-graph capture, where that session would autotune (benchmark=True, or
+    $CUDNN_GRAPHS_POLICY=autotune), a heuristic one with the same determinism: timing synchronises, which
+    a capture cannot hold. provisional: that plan is for this capture only (keep it out of memos, so the
+    next eager first sight tunes)."""
+    session = _session(device) or default_session(device)
+    if session.policy != "autotune" or not torch.cuda.is_current_stream_capturing():
+        return session, False
+    key = (device, session.deterministic, "heuristic")
+    heuristic = _SESSIONS.get(key)
+    if heuristic is None:
+        from ..plan.session import Session
+
+        heuristic = _SESSIONS.setdefault(key, Session(device=device, deterministic=session.deterministic,
+                                                      policy="heuristic"))
+    return heuristic, True
+
+
 _SESSIONS: dict[tuple, Any] = {}  # (device, deterministic, benchmark) -> the session for those flags
 _declined: set = set()
 
@@ -442,12 +461,7 @@ def _prepared(memo: CallMemo, key: tuple, kind: type, objs: tuple, params: dict,
     if not (packed and _ours(*(t for t in objs if t is not None))):
         return memo.put(key, _SLOW)
     device = objs[0].get_device()
-    session = _session(device)
-    tuning_in_capture = session is not None and session.policy == "autotune" and torch.cuda.is_current_stream_capturing()
-    if tuning_in_capture:  # timing synchronises, which a capture cannot hold: heuristics now, tuned eagerly later
-        session = _session(device, benchmark=False)
-    if session is None:
-        session = default_session(device)
+    session, tuning_in_capture = planning_session(device)
     try:
         call, _ = _requests.prepare_call(session, kind, objs, params, extra, torch._C._cuda_getCurrentRawStream(device))
     except UnsupportedGraphError as err:
