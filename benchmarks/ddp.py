@@ -5,19 +5,24 @@
 
 The parent starts one process per GPU (NCCL, MASTER_ADDR 127.0.0.1, a free port, NVLink multicast off,
 as tests/gpu_ddp_worker.py is started) and exits non-zero if any fails or there are fewer GPUs than
---gpus (2). Each rank, AMP fp16 autocast, channels_last, `cudnn.benchmark=True` (torch autotunes; ours
-plans with the autotune policy, kept in the plan cache), --batch images per GPU, SGD with momentum:
+--gpus (2). A rank that raises prints its traceback and leaves at once (no NCCL teardown, which can hang
+while a peer waits in a collective); the parent names it, stops the others and exits with its status;
+at --timeout (480 s, under a 10-minute command limit) it stops them all and exits 124.
+Each rank, AMP fp16 autocast, channels_last, `cudnn.benchmark=True` (torch autotunes; ours plans with
+the autotune policy, kept in the plan cache), --batch images per GPU, SGD with momentum:
   torch          DDP(model), torchvision's model from one seed;
   ours           DDP(convert(model)), the same initialisation;
   ours_captured  DDP(capture(convert(model), (x,))): the inner module captured, then wrapped, as
                  `cudnn_graphs.torch.capture`'s docstring says (--no-captured leaves it out).
 Every rank builds the candidates from the same seed and trains each on the same batches (its own shard:
 --data-batches random batches per rank, cycled), --warmup steps first (plans built and autotuned, DDP's
-buckets rebuilt after the first), then --rounds rounds of one block of --steps steps per candidate,
-a barrier before each block; rank 0 times each block with CUDA events. Every candidate runs the same
-steps from the same initialisation, so the losses compare: the first step's, and rank 0's at the end of
-each block. Rank 0 prints one JSON line after the setup, after each round and at the end (the medians,
-the ratios torch / ours), and rewrites --out as it goes.
+buckets rebuilt in the second; 11 by default: DDP's runtime statistics synchronise the host on the
+previous step's CUDA events at the start of its forwards 2 to 11, and of every 100th), then --rounds
+rounds of one block of --steps steps per candidate, a barrier before each block; rank 0 times each
+block with CUDA events. Every candidate runs the same steps from the same initialisation, so the losses
+compare: the first step's, and rank 0's at the end of each block. Rank 0 prints one JSON line after the
+setup, after each round and at the end (the medians, the ratios torch / ours), and rewrites --out as it
+goes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks import harness, models
@@ -48,12 +54,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, help="processes, one per GPU (at least 2)")
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--rounds", type=int, default=5, help="rounds of one block per candidate")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per candidate first (at least 2)")
+    p.add_argument("--warmup", type=int, default=11, help="untimed steps per candidate first (at least 2; 11 "
+                   "covers DDP's synchronising runtime statistics of its first steps)")
     p.add_argument("--lr", type=float, default=0.005)
     p.add_argument("--data-batches", type=int, default=4, help="random batches per rank, cycled")
     p.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
                    help="add DDP around capture(convert(model)) (default on)")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=480, help="seconds before the ranks are stopped (a normal "
+                   "run takes 1-3 minutes on two H100s)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank; its environment says which
     args = p.parse_args(argv)
     for name in ("batch", "steps", "rounds", "data_batches"):
@@ -101,28 +109,36 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through launch, which stops the ranks
 
 
+def worker_command(argv: list[str], rank: int) -> list[str]:
+    """The command line of rank `rank` (its environment, `rank_env`, says which rank it is)."""
+    return [sys.executable, "-m", "benchmarks.ddp", *argv, "--worker"]
+
+
 def launch(argv: list[str], args) -> int:
     """Start the ranks (rank 0's stdout is ours), wait for them; stop them all when one fails, at
     --timeout, or when this process is stopped. Returns the exit status of the rank that failed first
-    (124 at --timeout), else 0."""
+    (128 + N for one killed by signal N; 124 at --timeout), else 0."""
     port = free_port()
     # this directory (a relative --out lands where it would without the ranks); the repository is on PYTHONPATH
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.ddp", *argv, "--worker"],
-                              env=rank_env(rank, args.gpus, port), preexec_fn=harness.die_with_parent,
-                              stdout=None if rank == 0 else subprocess.DEVNULL)
+    procs = [subprocess.Popen(worker_command(argv, rank), env=rank_env(rank, args.gpus, port),
+                              preexec_fn=harness.die_with_parent, stdout=None if rank == 0 else subprocess.DEVNULL)
              for rank in range(args.gpus)]
     deadline, failure = time.monotonic() + args.timeout, 0
     try:
         while True:
             codes = [p.poll() for p in procs]  # every one polled: a failed rank is seen at once
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                failure = code if code > 0 else 128 - code  # -N: killed by signal N
+                others = ": stopping the others" if None in codes else ""
+                print(f"benchmarks.ddp: rank {rank} exited {code}{others}", file=sys.stderr, flush=True)
+                break
             if None not in codes:
                 break
-            failure = next((c for c in codes if c not in (None, 0)), 0)
-            if failure:
-                print(f"benchmarks.ddp: a rank exited {failure}: stopping the others", file=sys.stderr)
-                break
             if time.monotonic() > deadline:
-                print(f"benchmarks.ddp: --timeout {args.timeout:g} s passed: stopping the ranks", file=sys.stderr)
+                print(f"benchmarks.ddp: --timeout {args.timeout:g} s passed: stopping the ranks", file=sys.stderr,
+                      flush=True)
                 failure = 124
                 break
             time.sleep(0.5)
@@ -131,14 +147,14 @@ def launch(argv: list[str], args) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return failure or next((p.returncode for p in procs if p.returncode != 0), 0)
+    return failure
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     if args.worker:
-        return worker(args)
+        return run_worker(args)
     why = gpus_missing(args.gpus)
     if why:
         print(why, file=sys.stderr)
@@ -148,6 +164,20 @@ def main(argv=None) -> int:
 
 
 # -- one rank -----------------------------------------------------------------------------------------
+
+def run_worker(args) -> int:
+    """`worker`, but a rank that raises leaves at once with status 1 after its traceback: a normal exit
+    would destroy the NCCL process group, which can hang while a peer still waits in a collective. The
+    parent sees the exit and stops the other ranks."""
+    try:
+        return worker(args)
+    except BaseException as err:  # noqa: BLE001 - every failure ends this rank the same way
+        traceback.print_exc()
+        print(f"benchmarks.ddp: rank {os.environ.get('RANK', '?')} failed: {type(err).__name__}: {err}"[:2000],
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
 
 def make_step(model, batches: list, lr: float):
     """One training step of `model` on the next of `batches` (`models.train_step`: AMP fp16 forward,
@@ -217,6 +247,7 @@ def worker(args) -> int:
             modules["ours_captured"] = captured
         elif "ours_captured" not in result["errors"]:
             result["errors"]["ours_captured"] = "failed on another rank"
+        del captured  # where not kept: its graphs' memory pool goes now
     ddps = {k: DDP(m, device_ids=[local]) for k, m in modules.items()}
     steps = {k: make_step(m, batches, args.lr) for k, m in ddps.items()}
     first_loss = {}

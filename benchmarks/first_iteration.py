@@ -4,9 +4,11 @@
                                          [--autotune-limit 3] [--repeats 3]
 
 The cache is made the way a job would make it: one process trains a step in record mode
-(CUDNN_GRAPHS_RECORD) with `torch.backends.cudnn.benchmark = True`, as the timed ones run (the convert
-layer plans a geometry first seen with the autotune policy and keeps it in the plan cache), then
-`cudnn-graphs warmup SPECS --autotune` tunes every recorded spec. Then fresh processes, alternating, each
+(CUDNN_GRAPHS_RECORD) with `torch.backends.cudnn.benchmark = True`, as the timed ones run, so the specs
+match (the convert layer autotunes each geometry there, every candidate timed: it keeps those plans in a
+cache of its own, so that they do not stand in for --autotune-limit's), then `cudnn-graphs warmup SPECS
+--autotune --autotune-limit N` tunes every recorded spec into the cache the timed processes read. Then
+fresh processes, alternating, each
 timed from its first line (before `import torch`) to the end of one AMP fp16 channels_last training step
 (forward, cross-entropy, backward, SGD), all with the driver's JIT cache on (as jobs run):
   ours            `cudnn_graphs.torch.convert(model)`, cudnn.benchmark=True: autotuned plans read from
@@ -19,7 +21,7 @@ Each child also reports the seconds of its step alone (after the model is built)
 counters of the sessions its modules used (builds, autotuned, timings, disk hits): a warm process builds
 and times nothing. Issue 38's goal is `speedup_vs_bm_true` (torch_bm_true / ours, whole process) >= 3;
 `step_speedup_vs_bm_true` is the same ratio of the step alone. Each child's result is printed as one
-JSON line as it ends.
+JSON line as it ends. The exit status is 1 where a timed process failed (its error is in the JSON).
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ def medians(runs: dict[str, list], key: str) -> dict[str, float]:
     return {mode: harness.median(r[key] for r in rs if key in r) for mode, rs in runs.items()}
 
 
+def failures(runs: dict[str, list]) -> int:
+    """How many timed processes failed."""
+    return sum("error" in r for rs in runs.values() for r in rs)
+
+
 def ratios(med: dict, step: dict) -> dict:
     """torch's / ours' seconds, whole process and step alone (NaN where a mode was not run)."""
     def r(a, b):
@@ -133,7 +140,9 @@ def main(argv=None) -> int:
         base = harness.fresh_env(Path(tmp, "pycache"), drop_prefix="CUDNN_GRAPHS_", CUDA_CACHE_PATH=Path(tmp, "jit"),
                                  CUDNN_GRAPHS_CACHE_DIR=cache)
         base.pop("CUDA_CACHE_DISABLE", None)
-        recorded = _child("record", args, {**base, "CUDNN_GRAPHS_RECORD": str(specs)}, required=True)
+        # its own cache: its plans, each tuned over every candidate, would otherwise be the ones timed
+        recorded = _child("record", args, {**base, "CUDNN_GRAPHS_RECORD": str(specs),
+                                           "CUDNN_GRAPHS_CACHE_DIR": str(Path(tmp, "record-cache"))}, required=True)
         warm = subprocess.run([sys.executable, "-m", "cudnn_graphs", "warmup", str(specs), "--autotune",
                                "--autotune-limit", str(args.autotune_limit), "--no-progress", "--json"],
                               cwd=harness.ROOT, env=base, capture_output=True, text=True, timeout=3600)
@@ -151,7 +160,11 @@ def main(argv=None) -> int:
               **ratios(med, step)}
     harness.write_json(args.out, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "warmup")}), flush=True)
-    return 0
+    failed = failures(runs)
+    if failed:
+        print(f"benchmarks.first_iteration: {failed} timed process(es) failed (their errors are in the JSON)",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -311,6 +311,58 @@ def test_ddp_refuses_without_two_gpus_and_starts_ranks_as_torchrun_does():
     assert math.isnan(s["ratio_captured"]) and s["loss_after"] == {"torch": 6.1, "ours": 6.2}
 
 
+def _ddp_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"gpus": 2, "timeout": 60.0, **kw})
+
+
+def _fake_ranks(monkeypatch, script: str) -> None:
+    """benchmarks.ddp's ranks replaced by `python -c script` (RANK in their environment)."""
+    from benchmarks import ddp
+
+    monkeypatch.setattr(ddp, "worker_command", lambda argv, rank: [sys.executable, "-c", script])
+
+
+def test_ddp_parent_stops_the_ranks_when_one_fails(monkeypatch, capsys):
+    import time
+
+    from benchmarks import ddp
+
+    # rank 1 fails while rank 0 would wait for it forever (in a collective): the parent names it, stops rank 0
+    _fake_ranks(monkeypatch, "import os, sys, time\nif os.environ['RANK'] == '1': time.sleep(0.5); sys.exit(3)\n"
+                             "time.sleep(120)")
+    began = time.monotonic()
+    assert ddp.launch([], _ddp_args()) == 3
+    assert time.monotonic() - began < 30
+    assert "rank 1 exited 3: stopping the others" in capsys.readouterr().err
+    # killed by a signal (the OOM killer, say): 128 + N, not a negative status
+    _fake_ranks(monkeypatch, "import os, signal, time\nif os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+                             "time.sleep(120)")
+    assert ddp.launch([], _ddp_args()) == 128 + 9
+    assert "rank 0 exited -9" in capsys.readouterr().err
+    _fake_ranks(monkeypatch, "import time; time.sleep(120)")  # a hang: --timeout stops both
+    began = time.monotonic()
+    assert ddp.launch([], _ddp_args(timeout=1.0)) == 124
+    assert time.monotonic() - began < 30 and "--timeout 1 s passed" in capsys.readouterr().err
+    _fake_ranks(monkeypatch, "import sys; print('ok')")
+    assert ddp.launch([], _ddp_args()) == 0
+
+
+def test_a_failing_ddp_rank_leaves_at_once():
+    """A rank that raises exits 1 with its rank named, without the interpreter's teardown: that is where
+    an NCCL process group can hang while a peer waits (here a non-daemon thread stands in for it)."""
+    code = ("import sys, threading, time\nfrom benchmarks import ddp\n"
+            "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+            "def boom(args):\n    raise RuntimeError('NCCL error: boom')\n"
+            "ddp.worker = boom\nsys.exit(ddp.main(['--worker']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "1"})
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "benchmarks.ddp: rank 1 failed: RuntimeError: NCCL error: boom" in done.stderr
+    assert "Traceback" in done.stderr
+
+
 def test_first_iteration_ratios_skip_failed_processes():
     from benchmarks import first_iteration
 
@@ -320,3 +372,4 @@ def test_first_iteration_ratios_skip_failed_processes():
     got = first_iteration.ratios(med, step)
     assert got["speedup_vs_bm_true"] == 3.0 and got["step_speedup_vs_bm_true"] == 4.0
     assert math.isnan(got["speedup_vs_bm_false"]) and math.isnan(got["ours_bm_false_speedup_vs_bm_true"])
+    assert first_iteration.failures(runs) == 2 and first_iteration.failures({"ours": [{"seconds": 1.0}]}) == 0
