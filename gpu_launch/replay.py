@@ -128,10 +128,10 @@ _behind_work = True  # recording behind queued work allowed (for the process, un
 
 
 # Free executable slots ensured per device (driver.reserve_executables): RESERVE at a first sight or recording
-# on an idle stream, again once this process has made RESERVE // 2 more executables. Ensured outright, not
+# on an idle stream, again once RESERVE // 2 more of ours are alive than then. Ensured outright, not
 # counted from ours: other executables share the pool (torch's graphs, torch.compile's) and the GPU suite
 # saw a wait with ~140 of ours live and 256 reserved from our count.
-RESERVE = 256  # 12 ms of host time (H100), at most once per RESERVE // 2 executables made
+RESERVE = 256  # 12 ms of host time (H100), at most once per RESERVE // 2 more live executables
 _next_check: dict[int, int] = {}  # device -> our live-executable count at which to ensure slots again
 
 

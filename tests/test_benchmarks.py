@@ -337,8 +337,8 @@ def test_ddp_parent_stops_the_ranks_when_one_fails(monkeypatch, capsys):
     assert time.monotonic() - began < 30
     assert "rank 1 exited 3: stopping the others" in capsys.readouterr().err
     # killed by a signal (the OOM killer, say): 128 + N, not a negative status
-    _fake_ranks(monkeypatch, "import os, signal, time\nif os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
-                             "time.sleep(120)")
+    _fake_ranks(monkeypatch, "import os, signal, time\n"
+                             "if os.environ['RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(120)")
     assert ddp.launch([], _ddp_args()) == 128 + 9
     assert "rank 0 exited -9" in capsys.readouterr().err
     _fake_ranks(monkeypatch, "import time; time.sleep(120)")  # a hang: --timeout stops both
