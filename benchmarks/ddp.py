@@ -60,8 +60,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--data-batches", type=int, default=4, help="random batches per rank, cycled")
     p.add_argument("--captured", action=argparse.BooleanOptionalAction, default=True,
                    help="add DDP around capture(convert(model)) (default on)")
-    p.add_argument("--timeout", type=float, default=480, help="seconds before the ranks are stopped (a normal "
-                   "run takes 1-3 minutes on two H100s)")
+    p.add_argument("--timeout", type=float, default=480, help="seconds before the ranks are stopped (expected "
+                   "run: 1-3 minutes on two H100s, not yet measured)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank; its environment says which
     args = p.parse_args(argv)
     for name in ("batch", "steps", "rounds", "data_batches"):

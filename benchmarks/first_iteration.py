@@ -88,10 +88,10 @@ def _child(mode: str, args, env: dict, *, required: bool = False) -> dict:
             "benchmark" if mode in BENCHMARK_ON else "no-benchmark"]
     try:
         out = harness.run_fresh(argv, env=env, timeout=1800)
-    except (RuntimeError, subprocess.TimeoutExpired) as err:
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as err:  # Value/IndexError: no JSON
         if required:
             raise
-        out = {"mode": mode, "error": str(err)[-2000:]}
+        out = {"mode": mode, "error": f"{type(err).__name__}: {err}"[-2000:]}
     print(json.dumps(out), flush=True)  # kept if a time limit cuts the rest
     return out
 

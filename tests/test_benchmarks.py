@@ -373,3 +373,19 @@ def test_first_iteration_ratios_skip_failed_processes():
     assert got["speedup_vs_bm_true"] == 3.0 and got["step_speedup_vs_bm_true"] == 4.0
     assert math.isnan(got["speedup_vs_bm_false"]) and math.isnan(got["ours_bm_false_speedup_vs_bm_true"])
     assert first_iteration.failures(runs) == 2 and first_iteration.failures({"ours": [{"seconds": 1.0}]}) == 0
+
+
+def test_first_iteration_reports_a_child_without_json_and_goes_on(monkeypatch, capsys):
+    import argparse
+
+    from benchmarks import first_iteration
+
+    def no_json(argv, **kw):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+    monkeypatch.setattr(first_iteration.harness, "run_fresh", no_json)
+    args = argparse.Namespace(model="resnet50", batch=2)
+    got = first_iteration._child("ours", args, {})
+    assert got["mode"] == "ours" and got["error"].startswith("ValueError: ") and "error" in capsys.readouterr().out
+    with pytest.raises(ValueError):  # the record process is required
+        first_iteration._child("record", args, {}, required=True)
