@@ -71,3 +71,49 @@ def test_inference_convert_matches_eval_torch_in_fp16():
         got = fused(x.half().contiguous(memory_format=torch.channels_last))
     assert fused.cudnn_graphs_report.fused_residual
     assert ref.rel_err(got, want) < 2e-2
+
+
+def _learnable_task(n_batches: int = 48, batch: int = 32, classes: int = 4):
+    """A fixed synthetic dataset a small ResNet can learn: each class is a random 3x32x32 template, each
+    sample its class's template at a random contrast plus noise (channels-last, on the GPU)."""
+    g = torch.Generator(device="cuda").manual_seed(123)
+    templates = torch.randn(classes, 3, 32, 32, device="cuda", generator=g)
+    data = []
+    for _ in range(n_batches):
+        y = torch.randint(0, classes, (batch,), device="cuda", generator=g)
+        contrast = torch.rand(batch, 1, 1, 1, device="cuda", generator=g) * 0.8 + 0.2
+        x = templates[y] * contrast + torch.randn(batch, 3, 32, 32, device="cuda", generator=g)
+        data.append((x.contiguous(memory_format=torch.channels_last), y))
+    return data
+
+
+def _curve(model, data, steps: int) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return [float(v) for v in torch.stack(losses).cpu()]  # one read at the end: no sync per step
+
+
+def test_a_300_step_loss_curve_on_a_learnable_task_tracks_torchs():
+    """Issue 36: from one initialisation and the same batches, 300 AMP steps of the converted network (its
+    conv -> BatchNorm -> ReLU runs fused) against torch's. Step-by-step losses part with fp16 rounding (the
+    trajectories are chaotic), so the curves are compared as means over windows of 30 steps: both learn,
+    and each window's mean stays near torch's."""
+    torch.manual_seed(0)
+    theirs = _resnet().cuda().to(memory_format=torch.channels_last)
+    ours = cgt.convert(copy.deepcopy(theirs))
+    data = _learnable_task()
+    curves = {"torch": _curve(theirs, data, 300), "ours": _curve(ours, data, 300)}
+    assert "fused" in str(ours.cudnn_graphs_report), str(ours.cudnn_graphs_report)
+    windows = {k: [sum(v[i:i + 30]) / 30 for i in range(0, 300, 30)] for k, v in curves.items()}
+    for name, w in windows.items():
+        assert w[-1] < 0.5 * w[0], (name, windows)  # the task is learnt
+    for t, o in zip(windows["torch"], windows["ours"]):
+        assert abs(o - t) <= 0.1 + 0.3 * t, windows
