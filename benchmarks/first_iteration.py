@@ -11,8 +11,10 @@ cache of its own, so that they do not stand in for --autotune-limit's), then `cu
 fresh processes, alternating, each
 timed from its first line (before `import torch`) to the end of one AMP fp16 channels_last training step
 (forward, cross-entropy, backward, SGD), all with the driver's JIT cache on (as jobs run):
-  ours            `cudnn_graphs.torch.convert(model)`, cudnn.benchmark=True: autotuned plans read from
-                  the warm cache, nothing timed
+  ours            `cudnn_graphs.torch.convert(model)`, cudnn.benchmark=True: fused runs' plans read from
+                  the warm cache; convs outside them train through torch's conv, which times them
+  ours_plans      the same with `train_convs="cudnn_graphs"`: every conv's autotuned plan read from the
+                  warm cache, nothing timed (the record process runs this way, so it records every spec)
   ours_bm_false   the same, cudnn.benchmark=False (the default session, plans from the same cache)
   torch_bm_true   torch eager, cudnn.benchmark=True (it autotunes in every process; a first
                   process warmed the JIT cache, so each timed one is at least its second)
@@ -41,13 +43,13 @@ start = time.perf_counter()
 import json, sys
 import torch, torchvision
 mode, model_name, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ours = sys.argv[4] == "ours"
+ours = sys.argv[4] != "torch"
 torch.backends.cudnn.benchmark = sys.argv[5] == "benchmark"
 cl = torch.channels_last
 model = getattr(torchvision.models, model_name)(weights=None).cuda().to(memory_format=cl)
 if ours:
     import cudnn_graphs.torch as cgt
-    model = cgt.convert(model)
+    model = cgt.convert(model, train_convs="cudnn_graphs" if sys.argv[4] == "plans" else "torch")
 x = torch.randn(batch, 3, 224, 224, device="cuda").contiguous(memory_format=cl)
 target = torch.randint(0, 1000, (batch,), device="cuda")
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -76,15 +78,17 @@ if ours:
     out["sessions"] = len(counts)
 print(json.dumps(out))
 """
-OURS = ("ours", "ours_bm_false", "record")
-BENCHMARK_ON = ("ours", "torch_bm_true", "record")  # record as `ours` runs, so the specs match
-MODES = ("ours", "ours_bm_false", "torch_bm_true", "torch_bm_false")
+OURS = ("ours", "ours_bm_false", "ours_plans", "record")
+PLANS = ("ours_plans", "record")  # train_convs="cudnn_graphs"; record so: every conv's specs are recorded
+BENCHMARK_ON = ("ours", "ours_plans", "torch_bm_true", "record")  # record as `ours` runs, so the specs match
+MODES = ("ours", "ours_plans", "ours_bm_false", "torch_bm_true", "torch_bm_false")
 
 
 def _child(mode: str, args, env: dict, *, required: bool = False) -> dict:
     """One fresh process of `mode`, its JSON printed as it ends; a failure raises where `required`, else
     is reported as {"mode", "error"} (the other modes still run)."""
-    argv = ["-c", _CHILD, mode, args.model, str(args.batch), "ours" if mode in OURS else "torch",
+    route = "plans" if mode in PLANS else "ours" if mode in OURS else "torch"
+    argv = ["-c", _CHILD, mode, args.model, str(args.batch), route,
             "benchmark" if mode in BENCHMARK_ON else "no-benchmark"]
     try:
         out = harness.run_fresh(argv, env=env, timeout=1800)
@@ -115,7 +119,9 @@ def ratios(med: dict, step: dict) -> dict:
             "step_speedup_vs_bm_true": r(step.get("torch_bm_true"), step.get("ours")),
             "speedup_vs_bm_false": r(med.get("torch_bm_false"), med.get("ours")),
             "step_speedup_vs_bm_false": r(step.get("torch_bm_false"), step.get("ours")),
-            "ours_bm_false_speedup_vs_bm_true": r(med.get("torch_bm_true"), med.get("ours_bm_false"))}
+            "ours_bm_false_speedup_vs_bm_true": r(med.get("torch_bm_true"), med.get("ours_bm_false")),
+            "ours_plans_speedup_vs_bm_true": r(med.get("torch_bm_true"), med.get("ours_plans")),
+            "ours_plans_step_speedup_vs_bm_true": r(step.get("torch_bm_true"), step.get("ours_plans"))}
 
 
 def _json_or_text(text: str):

@@ -389,3 +389,26 @@ def test_first_iteration_reports_a_child_without_json_and_goes_on(monkeypatch, c
     assert got["mode"] == "ours" and got["error"].startswith("ValueError: ") and "error" in capsys.readouterr().out
     with pytest.raises(ValueError):  # the record process is required
         first_iteration._child("record", args, {}, required=True)
+
+
+def test_first_iteration_runs_each_mode_on_its_training_route(monkeypatch):
+    import argparse
+
+    from benchmarks import first_iteration
+
+    seen = {}
+    monkeypatch.setattr(first_iteration.harness, "run_fresh",
+                        lambda argv, **kw: seen.setdefault(argv[2], argv[5:7]) and {"mode": argv[2]})
+    args = argparse.Namespace(model="resnet50", batch=2)
+    for mode in (*first_iteration.MODES, "record"):
+        first_iteration._child(mode, args, {})
+    assert seen == {"ours": ["ours", "benchmark"], "ours_plans": ["plans", "benchmark"],
+                    "ours_bm_false": ["ours", "no-benchmark"], "torch_bm_true": ["torch", "benchmark"],
+                    "torch_bm_false": ["torch", "no-benchmark"], "record": ["plans", "benchmark"]}
+
+
+def test_models_compares_the_plans_route_with_torch_eager():
+    from benchmarks import models
+
+    got = models.train_ratios({"train_ms": {"torch": 20.0, "ours": 16.0, "ours_plans": 25.0}})
+    assert got["eager"]["wall"] == 1.25 and got["plans"]["wall"] == 0.8

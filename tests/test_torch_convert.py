@@ -115,3 +115,50 @@ def test_parametrized_and_shared_convs_are_converted_and_stay_what_they_were():
     nn.utils.parametrize.remove_parametrizations(model[0], "weight")
     assert type(model[0]) is cgt.Conv2d
     torch.testing.assert_close(model(x), want)
+
+
+def _grad_fn(y) -> str:
+    return type(y.grad_fn).__name__
+
+
+def test_convs_outside_fused_runs_train_through_torchs_own_node_by_default():
+    net = cgt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.ReLU()).double())
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    y = net[0](x)
+    assert _grad_fn(y) == "ConvolutionBackward0"  # torch's C++ node, not our Python one
+    ref = nn.functional.conv2d(nn.functional.pad(x, (1, 1, 1, 1), mode="reflect"), net[0].weight, net[0].bias)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    with torch.no_grad():  # no gradient wanted: this library's path, the same numbers
+        torch.testing.assert_close(net[0](x), ref)
+    assert "train_convs='torch'" in str(net.cudnn_graphs_report)
+
+
+def test_train_convs_cudnn_graphs_keeps_this_librarys_autograd_node():
+    net = cgt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double(), train_convs="cudnn_graphs")
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    assert _grad_fn(net(x)) == "_ConvFunctionBackward"
+    assert net.cudnn_graphs_report.train_convs == "cudnn_graphs"
+    assert "train_convs='cudnn_graphs'" in str(net.cudnn_graphs_report)
+
+
+def test_torchs_training_path_keeps_a_fused_residual_and_activation():
+    torch.manual_seed(0)
+    conv = cgt.Conv2d(3, 4, 3, padding=1, activation="relu").double()
+    conv.torch_when_training = True
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    y = conv(x, z)
+    torch.testing.assert_close(y, torch.relu(nn.functional.conv2d(x, conv.weight, conv.bias, padding=1) + z))
+    y.sum().backward()
+    assert x.grad is not None and conv.weight.grad is not None
+
+
+def test_train_convs_refuses_an_unknown_value_by_name():
+    with pytest.raises(ValueError, match="train_convs.*'ours'"):
+        cgt.convert(_net(), train_convs="ours")
+
+
+def test_an_inference_conversion_has_no_training_route():
+    net = cgt.convert(_net().eval(), inference=True)
+    assert not any(getattr(m, "torch_when_training", False) for m in net.modules())
+    assert "train_convs" not in str(net.cudnn_graphs_report)

@@ -802,6 +802,9 @@ class _ConvMixin:
     activation and residual. Parameters, buffers, initialisation and state_dict are torch's own."""
 
     _nd: int
+    # convert(train_convs="torch") sets it: where a gradient is wanted, torch's own conv (one C++ autograd
+    # node); our Python node costs a host-bound step more than it saves outside fused runs
+    torch_when_training: bool = False
 
     def _init_activation(self, activation: Any) -> None:
         self.activation = as_activation("activation", activation)
@@ -812,12 +815,21 @@ class _ConvMixin:
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         # torch's own hook, which subclasses (weight standardisation, LoRA ...) call with their weight
+        if self.torch_when_training and torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
+            return self._torch_forward(input, weight, bias, residual)
         padding = self.padding
         if self.padding_mode != "zeros":  # torch pads with the mode first, then convolves unpadded
             input = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
         return _conv(self._nd, input, weight, bias, self.stride, padding, self.dilation, self.groups,
                      self.activation, residual, 1.0)
+
+    def _torch_forward(self, input, weight, bias, residual):
+        """What torch's module computes (its padding modes included), then our residual and activation."""
+        y = super()._conv_forward(input, weight, bias)
+        if residual is not None:
+            y = y + residual
+        return y if self.activation.is_identity else torch_activation(self.activation.name, self.activation.param)(y)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

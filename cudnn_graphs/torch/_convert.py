@@ -8,6 +8,7 @@ Training: conv -> BatchNorm2d -> ReLU runs (torchvision's BasicBlock and Bottlen
 residual add, and runs inside an nn.Sequential such as Conv2dNormActivation or a downsample) run as one
 fused autograd node each (`_chain.py`), where the call allows it (float16 or AMP float16, channels_last,
 training mode); elsewhere the modules' own forward runs. `fuse_batchnorm=False` keeps torch's BatchNorm.
+A conv outside a fused run calls torch's own convolution where a gradient is wanted (`train_convs`).
 
 Training: each conv keeps its Parameter objects (an optimizer made before still steps them); a conv
 used in two places stays one module, and one under torch.nn.utils.parametrize (weight_norm ...) keeps
@@ -51,9 +52,13 @@ class ConversionReport:
     chains: list[tuple[str, Chain]] = field(default_factory=list)  # training: (where, conv-BatchNorm run)
     unchained: list[tuple[str, str]] = field(default_factory=list)  # training: (conv, why its BatchNorm stays)
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
+    train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
     def __str__(self) -> str:
         lines = [f"{len(self.replaced)} convolutions converted (weights {self.weights})"]
+        if not self.inference:
+            lines.append(f"convs outside fused runs train with {_TRAIN_CONVS[self.train_convs]} "
+                         f"(train_convs={self.train_convs!r})")
         if self.folded_batchnorm:
             lines.append(f"{len(self.folded_batchnorm)} BatchNorm folded, {len(self.fused_activation)} activations "
                          f"and {len(self.fused_residual)} residual adds fused")
@@ -67,26 +72,40 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool = True) -> nn.Module:
+_TRAIN_CONVS = {"torch": "torch's convolution (its C++ autograd node)",
+                "cudnn_graphs": "this library's plans (autotuned once per machine under cudnn.benchmark)"}
+
+
+def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool = True,
+            train_convs: str = "torch") -> nn.Module:
     """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`.
 
-    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each. A converted
-    model converted again is returned as it is. Training conversion keeps torch's state_dict keys and
+    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each.
+    `train_convs`: what a conv outside such a run does where a gradient is wanted. "torch" (default):
+    torch's own convolution, whose C++ autograd node costs a host-bound step less than ours; "cudnn_graphs":
+    this library's plans, which under `cudnn.benchmark` are autotuned once per machine and read from the
+    plan cache (no timing in a job's first iteration) at more host time per step. Eval and no-grad calls
+    run this library's plans either way. A converted model converted again is returned as it is. Training conversion keeps torch's state_dict keys and
     Parameter objects: checkpoints load both ways (strict) and optimizers made before keep stepping it.
     Inference conversion folds BatchNorm into new weights: load a torch checkpoint before converting."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(fuse_batchnorm, bool):
         raise TypeError(f"fuse_batchnorm: expected True or False, got {fuse_batchnorm!r}")
+    if train_convs not in _TRAIN_CONVS:
+        raise ValueError(f"train_convs: expected one of {sorted(_TRAIN_CONVS)}, got {train_convs!r}")
     if inference and model.training:
         raise ValueError("convert(inference=True) folds BatchNorm running statistics: call model.eval() first")
     existing = getattr(model, "cudnn_graphs_report", None)
     if isinstance(existing, ConversionReport) and (existing.inference or not inference):
         return model  # converted already: its convs are ours, its runs chained or its BatchNorm folded
-    report = ConversionReport(inference=inference)
+    report = ConversionReport(inference=inference, train_convs=train_convs)
     if inference:
         _fuse(model, report)
     _replace(model, "", report)
+    if not inference and train_convs == "torch":
+        for conv in _converted(model):
+            conv.torch_when_training = True
     if not inference and fuse_batchnorm:
         _chain_batchnorm(model, report)
     model.cudnn_graphs_report = report
@@ -112,6 +131,11 @@ def _replace(module: nn.Module, prefix: str, report: ConversionReport, done: dic
             report.kept.append((qualified, _why_kept(child)))
         else:
             _replace(child, qualified + ".", report, done)
+
+
+def _converted(model: nn.Module) -> list[nn.Module]:
+    ours = tuple(_OURS.values())
+    return [m for m in model.modules() if isinstance(m, ours)]
 
 
 def _ours_for(conv: nn.Module) -> type | None:
