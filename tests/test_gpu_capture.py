@@ -169,3 +169,46 @@ def test_reduce_overhead_compiles_converted_models_whole():
         _, _, torch_counters = _compiled_run(torch_net, batches, mode="reduce-overhead")
     # cudagraphs skipped no more often for ours than for torch's own model (mutated BatchNorm buffers ...)
     assert counters.get("cudagraph_skips", 0) <= torch_counters.get("cudagraph_skips", 0), (counters, torch_counters)
+
+
+_STEPS_WARNING_FREE = r"""
+import json, sys, warnings
+import torch
+sys.path.insert(0, sys.argv[1])
+import cudnn_graphs.torch as cgt
+from tests.test_gpu_capture import Net
+
+torch.manual_seed(0)
+cl = torch.channels_last
+model = cgt.convert(Net().cuda().to(memory_format=cl))
+x = torch.randn(8, 3, 16, 16, device="cuda").contiguous(memory_format=cl)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with torch.autocast("cuda", dtype=torch.float16):
+        step = cgt.capture(model, (x,))
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = step(x).float().square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+print(json.dumps(sorted({str(w.message)[:200] for w in caught})))
+"""
+
+
+def test_captured_steps_raise_no_accumulate_grad_stream_warning():
+    """torch warns once per process, so a fresh one: the capture's side-stream AccumulateGrad nodes must
+    not outlive it (they did, kept by make_graphed_callables's static outputs; torch warned at each step)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _STEPS_WARNING_FREE, root], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    caught = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not [w for w in caught if "stream" in w.lower()], caught

@@ -97,9 +97,6 @@ def test_a_captured_model_under_ddp_trains_as_the_eager_one(ranks):
             assert abs(a - b) < 1e-2 * max(1.0, abs(b)), cap
 
 
-@pytest.mark.xfail(strict=True, reason="open, issue 38: torch 2.11 warns 'AccumulateGrad node's stream does not match' "
-                   "in this run (2xH200); not yet attributed to a phase -- the same warning comes from torch's "
-                   "make_graphed_callables in test_gpu_torch_conv's captured step, and this run captures under DDP")
 def test_no_stream_or_stride_warnings(ranks):
     for out in ranks:
         bad = [w for w in out["warnings"] if "stream" in w.lower() or "stride" in w.lower()]

@@ -144,3 +144,41 @@ def test_a_training_converted_model_compiles_whole_without_graph_breaks():
     torch.testing.assert_close(twin.state_dict(), eager.state_dict())  # BatchNorm statistics too
     for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def _accumulator(p):
+    return p.view_as(p).grad_fn.next_functions[0][0]  # as DDP finds a parameter's AccumulateGrad node
+
+
+def _nodes(root) -> list:
+    seen, todo = [], [root]
+    while todo:
+        node = todo.pop()
+        if node is not None and all(node is not s for s in seen):
+            seen.append(node)
+            todo += [f for f, _ in node.next_functions]
+    return seen
+
+
+def test_warm_up_and_capture_run_on_aliases_never_on_the_parameters_autograd_nodes():
+    from cudnn_graphs.torch._capture import _Body, _Replay
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    net[2].bias.requires_grad_(False)  # frozen: not aliased, read as it is
+    named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    aliases = [p.detach().requires_grad_() for _, p in named]
+    node = _accumulator(net[0].weight)
+    node.metadata["made"] = "by the caller"  # as DDP's: made on the caller's stream, kept alive
+    x = torch.randn(5, 3)
+    body = _Body(net, tuple(n for n, _ in named), 1)
+    out = body(x, *aliases)
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)  # the same memory, the same numbers
+    assert all(a.data_ptr() == p.data_ptr() for a, (_, p) in zip(aliases, named))
+    assert not [n for n in _nodes(out.grad_fn) if n.metadata.get("made")]  # no parameter's node in the graph
+    grads = torch.autograd.grad(out.sum(), aliases)
+    assert all(p.grad is None for p in net.parameters()) and len(grads) == 3
+    # a replay is given the parameters themselves: their nodes get the gradients
+    replay = _Replay(lambda *a: body(*a), tuple(p for _, p in named))
+    replay(x).sum().backward()
+    assert net[0].weight.grad is not None and net[2].bias.grad is None

@@ -11,7 +11,8 @@
 
 Built on `torch.cuda.make_graphed_callables` (one autograd node: the forward graph, and the backward
 graph in its backward), with what it leaves to the user done here: autocast's cast cache off during
-capture, warm-up on a side stream, each call's inputs copied into static buffers of the capture's own
+capture, warm-up on a side stream, both run on aliases of the parameters (so no AccumulateGrad node is
+made on a side stream: torch warned of the stream mismatch at every step, DDP's included), each call's inputs copied into static buffers of the capture's own
 (the sample tensors are never written), the model's buffers (BatchNorm statistics) restored after
 warm-up and capture, and a new capture for a call whose input shapes, dtypes, devices or requires_grad,
 autocast state, grad mode or `model.training` differ (a small LRU of captures, each in its own memory
@@ -180,16 +181,34 @@ def _check_capturable(model: nn.Module, args: tuple, what: str) -> torch.device:
 
 # -- capturing ------------------------------------------------------------------------------------------
 
-class _Body(nn.Module):
-    """What make_graphed_callables is given: it replaces the forward of the module it graphs, so a
-    fresh one per capture, never the user's model (whose own forward stays as it was)."""
+class _Body:
+    """What make_graphed_callables graphs: the model called with aliases in place of its trainable
+    parameters (`torch.func.functional_call`). An alias shares its parameter's memory but is an autograd
+    leaf of its own, so the warm-up and the capture, on side streams, never make or feed a parameter's
+    AccumulateGrad node: those are made and fed on the caller's stream at each step, where DDP hooks
+    them. Nodes made on a side stream and kept alive (make_graphed_callables's static outputs keep the
+    capture's graph) made torch warn of a stream mismatch at every step; a node made on the legacy
+    stream and fed inside a later capture is an error."""
 
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
+    def __init__(self, model: nn.Module, names: tuple, count: int):
+        self.model, self.names, self.count = model, names, count  # count: the user's arguments
 
-    def forward(self, *args: torch.Tensor) -> Any:
-        return self.model(*args)
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        args, aliases = inputs[:self.count], inputs[self.count:]
+        return torch.func.functional_call(self.model, dict(zip(self.names, aliases)), args)
+
+
+class _Replay:
+    """A capture's graphed callable, given the model's own parameters where it was captured with their
+    aliases (the same memory: nothing is copied), so gradients flow to the parameters' nodes."""
+
+    __slots__ = ("graphed", "params")
+
+    def __init__(self, graphed: Callable, params: tuple):
+        self.graphed, self.params = graphed, params
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        return self.graphed(*args, *self.params)
 
 
 def _capture(model: nn.Module, args: tuple, what: str, warmup: int) -> Callable:
@@ -197,17 +216,20 @@ def _capture(model: nn.Module, args: tuple, what: str, warmup: int) -> Callable:
     # static inputs of the capture's own: each call is copied into them, the sample is never written
     static = tuple(a.detach().clone(memory_format=torch.preserve_format).requires_grad_(a.requires_grad)
                    for a in args)
-    body = _Body(model)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = tuple(p for _, p in named)
+    inputs = (*static, *(p.detach().requires_grad_() for p in params))
+    body = _Body(model, tuple(name for name, _ in named), len(static))
     saved = [(b, b.clone()) for b in model.buffers()]
     try:
         with torch.cuda.device(device), _capture_autocast():
-            _warm_up(model, body, static, warmup)
-            graphed = _graph(model, body, static)
+            _warm_up(model, body, inputs, warmup)
+            graphed = _graph(model, body, inputs)
     finally:
         with torch.no_grad():  # warm-up and capture ran the model warmup + 1 times: no trace of them stays
             for buffer, value in saved:
                 buffer.copy_(value)
-    return graphed.forward
+    return _Replay(graphed, params)
 
 
 def _capture_autocast() -> contextlib.AbstractContextManager:
@@ -218,15 +240,15 @@ def _capture_autocast() -> contextlib.AbstractContextManager:
     return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
-def _warm_up(model: nn.Module, body: _Body, static: tuple, steps: int) -> None:
+def _warm_up(model: nn.Module, body: _Body, inputs: tuple, steps: int) -> None:
     """Eager forward + backward steps on a side stream, as make_graphed_callables does (plans built,
     autotuning and lazy initialisation done before capture), the last under torch's sync debug mode."""
-    surface = tuple(t for t in (*static, *body.parameters()) if t.requires_grad)
+    surface = tuple(t for t in inputs if t.requires_grad)
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):
             with _synchronisations_refused(model) if step == steps - 1 else contextlib.nullcontext():
-                outputs = [o for o in torch.utils._pytree.tree_leaves(body(*static))
+                outputs = [o for o in torch.utils._pytree.tree_leaves(body(*inputs))
                            if isinstance(o, torch.Tensor) and o.requires_grad]
                 if outputs and surface:  # grads returned, never accumulated into .grad
                     torch.autograd.grad(outputs, surface, [torch.ones_like(o) for o in outputs], allow_unused=True)
@@ -268,9 +290,9 @@ def _synchronisations_refused(model: nn.Module) -> Iterator[None]:
             hook.remove()
 
 
-def _graph(model: nn.Module, body: _Body, static: tuple) -> nn.Module:
+def _graph(model: nn.Module, body: _Body, inputs: tuple) -> Callable:
     try:  # warmed up already: torch's capture runs no warm-up of its own
-        return torch.cuda.make_graphed_callables(body, static, num_warmup_iters=0, allow_unused_input=True)
+        return torch.cuda.make_graphed_callables(body, inputs, num_warmup_iters=0, allow_unused_input=True)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as err:  # cudaErrorStreamCaptureUnsupported and kin, from whatever the model ran
