@@ -201,15 +201,18 @@ def median(samples: Iterable[float]) -> float:
 def interleaved(candidates: dict[str, Callable], measures: dict[str, Callable], *, rounds: int,
                 by: str = "measure") -> dict[str, dict[str, float]]:
     """{measure: {candidate: median}}: each round runs every measure on every candidate, then the next
-    round, so drift hits all alike. `measures[m](candidate)` returns one sample or a list of them.
-    by="measure": a round goes measure by measure (A's host, B's host, A's latency ...); by="candidate":
-    candidate by candidate (A's host, A's latency, ..., then B's)."""
+    round, so drift hits all alike; each round starts one candidate later (A B C, B C A, C A B ...), so
+    no candidate always runs right after the same other one. `measures[m](candidate)` returns one
+    sample or a list of them. by="measure": a round goes measure by measure (A's host, B's host, A's
+    latency ...); by="candidate": candidate by candidate (A's host, A's latency, ..., then B's)."""
     if by not in ("measure", "candidate"):
         raise ValueError(f"by: 'measure' or 'candidate', not {by!r}")
     samples = {m: {c: [] for c in candidates} for m in measures}
-    order = ([(m, c) for m in measures for c in candidates] if by == "measure"
-             else [(m, c) for c in candidates for m in measures])
-    for _ in range(rounds):
+    names = list(candidates)
+    for r in range(rounds):
+        turn = names[r % len(names):] + names[:r % len(names)] if names else []
+        order = ([(m, c) for m in measures for c in turn] if by == "measure"
+                 else [(m, c) for c in turn for m in measures])
         for m, c in order:
             got = measures[m](candidates[c])
             samples[m][c].extend(got if isinstance(got, (list, tuple)) else [got])

@@ -17,6 +17,8 @@ ours plans a geometry first seen with the autotune policy and keeps it in the pl
                    fused runs train through torch's conv (`train_convs="torch"`, the default);
     ours_plans     with --plans (default on), `convert(model, train_convs="cudnn_graphs")`: those convs
                    on this library's plans and autograd node instead (the A/B behind that default);
+    torch_aa       with --aa (default on), a second copy of torch's model: torch / torch_aa (`aa_ratio`)
+                   is this run's noise between identical candidates, the band the other ratios sit in;
     torch_graphed  `torch.cuda.make_graphed_callables(model, (static_x,))` as a careful torch user must
                    write it: under `torch.autocast(..., cache_enabled=False)`, its own warm-up on a side
                    stream (num_warmup_iters=3), a static input of its own that each batch is copied into;
@@ -60,7 +62,8 @@ from benchmarks import harness
 
 MODELS = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_800mf")
 # the pairs each ratio compares (torch's side first) and the figures compared
-PAIRS = {"eager": ("torch", "ours"), "graphed": ("torch_graphed", "ours_graphed"), "plans": ("torch", "ours_plans")}
+PAIRS = {"eager": ("torch", "ours"), "graphed": ("torch_graphed", "ours_graphed"), "plans": ("torch", "ours_plans"),
+         "aa": ("torch", "torch_aa")}
 FIGURES = {"wall": "train_ms", "host": "train_host_ms", "device": "train_device_ms",
            "device_events": "train_device_events_ms"}
 PROFILED_STEPS = 3
@@ -181,6 +184,8 @@ def bench_model(name: str, args) -> dict:
     out["converted"] = len(models["ours"].cudnn_graphs_report.replaced)
     if args.plans:
         models["ours_plans"] = cgt.convert(copy.deepcopy(base), train_convs="cudnn_graphs")
+    if args.aa:
+        models["torch_aa"] = copy.deepcopy(base)
     if args.graphs:
         for key, make in (("torch_graphed", torch_graphed), ("ours_graphed", ours_graphed)):
             try:
@@ -207,6 +212,7 @@ def bench_model(name: str, args) -> dict:
     out["train_speedup"] = harness.ratio(got["wall"]["torch"], got["wall"]["ours"])
     out["graphed_speedup"] = harness.ratio(got["wall"].get("torch_graphed"), got["wall"].get("ours_graphed"))
     out["plans_speedup"] = harness.ratio(got["wall"]["torch"], got["wall"].get("ours_plans"))
+    out["aa_ratio"] = harness.ratio(got["wall"]["torch"], got["wall"].get("torch_aa"))
     out["train_ratios"] = train_ratios(out)
     emit(out, "train")  # kept if a time limit cuts the rest
 
@@ -378,6 +384,7 @@ def summary(results: list[dict], args, *, device: str, torch_version: str, compl
             "train_geomean": geo(r.get("train_speedup") for r in results),
             "graphed_geomean": geo(r.get("graphed_speedup") for r in results),
             "plans_geomean": geo(r.get("plans_speedup") for r in results),
+            "aa_ratios": {r["model"]: r.get("aa_ratio") for r in results if "aa_ratio" in r},
             "infer_geomean": geo(r.get("infer_speedup") for r in results),
             "ratio_geomeans": {pair: {figure: geo(r.get("train_ratios", {}).get(pair, {}).get(figure) for r in results)
                                       for figure in FIGURES} for pair in PAIRS},
@@ -434,6 +441,8 @@ def main(argv=None) -> int:
                         "cudnn_graphs.torch.capture (default on)")
     p.add_argument("--plans", action=argparse.BooleanOptionalAction, default=True,
                    help="add ours_plans: convert(train_convs='cudnn_graphs') (default on)")
+    p.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
+                   help="add torch_aa, a second copy of torch's model: the run's own noise band (default on)")
     p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
     p.add_argument("--policy", choices=("heuristic", "autotune"), default="heuristic",
                    help="the policy of the device's default session; under cudnn.benchmark=True (set here) "

@@ -157,11 +157,16 @@ def test_interleaved_alternates_and_keeps_medians():
     got = harness.interleaved(candidates, {"x": x, "y": y}, rounds=3)
     assert got == {"x": {"A": 3.0, "B": 20.0}, "y": {"A": 1.5, "B": 0.0}}  # medians of every round's samples
     assert order[:4] == [("x", "a"), ("x", "b"), ("y", "a"), ("y", "b")]  # measure by measure, A then B
+    assert order[4:8] == [("x", "b"), ("x", "a"), ("y", "b"), ("y", "a")]  # the next round starts with B
     assert len(order) == 12
     order.clear()
     harness.interleaved(candidates, {"y": y, "z": lambda fn: order.append(("z", fn())) or 0.0}, rounds=1,
                         by="candidate")
     assert order == [("y", "a"), ("z", "a"), ("y", "b"), ("z", "b")]  # candidate by candidate
+    order.clear()
+    three = {"A": lambda: "a", "B": lambda: "b", "C": lambda: "c"}
+    harness.interleaved(three, {"z": lambda fn: order.append(fn()) or 0.0}, rounds=4)
+    assert "".join(order) == "abcbcacababc"  # each candidate leads a round in turn
     with pytest.raises(ValueError):
         harness.interleaved(candidates, {"y": y}, rounds=1, by="time")
 
@@ -410,5 +415,6 @@ def test_first_iteration_runs_each_mode_on_its_training_route(monkeypatch):
 def test_models_compares_the_plans_route_with_torch_eager():
     from benchmarks import models
 
-    got = models.train_ratios({"train_ms": {"torch": 20.0, "ours": 16.0, "ours_plans": 25.0}})
+    got = models.train_ratios({"train_ms": {"torch": 20.0, "ours": 16.0, "ours_plans": 25.0, "torch_aa": 21.0}})
     assert got["eager"]["wall"] == 1.25 and got["plans"]["wall"] == 0.8
+    assert got["aa"]["wall"] == pytest.approx(20 / 21)  # the run's noise between identical candidates
