@@ -12,11 +12,11 @@
 Built on `torch.cuda.make_graphed_callables` (one autograd node: the forward graph, and the backward
 graph in its backward), with what it leaves to the user done here: autocast's cast cache off during
 capture, warm-up on a side stream, both run on aliases of the parameters (so no AccumulateGrad node is
-made on a side stream: torch warned of the stream mismatch at every step, DDP's included), each call's inputs copied into static buffers of the capture's own
-(the sample tensors are never written), the model's buffers (BatchNorm statistics) restored after
-warm-up and capture, and a new capture for a call whose input shapes, dtypes, devices or requires_grad,
-autocast state, grad mode or `model.training` differ (a small LRU of captures, each in its own memory
-pool). What a graph cannot hold is refused with a `CaptureError` naming it: CPU tensors, tensors on
+made on a side stream: torch warned of the stream mismatch at every step, DDP's included), each call's
+inputs copied into static buffers of the capture's own (the sample tensors are never written), the
+model's buffers (BatchNorm statistics) restored after warm-up and capture, and a new capture for a call
+whose input shapes, dtypes, devices or requires_grad, autocast state, grad mode or `model.training`
+differ (a small LRU of captures, each in its own memory pool). What a graph cannot hold is refused with a `CaptureError` naming it: CPU tensors, tensors on
 another device than the model, non-tensor arguments, DataParallel / DistributedDataParallel wrappers
 (capture the inner module, then wrap the result), and a module that synchronises the device each
 step (found on the last warm-up step under torch's sync debug mode), such as torch's BatchNorm with

@@ -85,8 +85,9 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
     torch's own convolution, whose C++ autograd node costs a host-bound step less than ours; "cudnn_graphs":
     this library's plans, which under `cudnn.benchmark` are autotuned once per machine and read from the
     plan cache (no timing in a job's first iteration) at more host time per step. Eval and no-grad calls
-    run this library's plans either way. A converted model converted again is returned as it is. Training conversion keeps torch's state_dict keys and
-    Parameter objects: checkpoints load both ways (strict) and optimizers made before keep stepping it.
+    run this library's plans either way. A converted model converted again is returned as it is.
+    Training conversion keeps torch's state_dict keys and Parameter objects: checkpoints load both ways
+    (strict) and optimizers made before keep stepping it.
     Inference conversion folds BatchNorm into new weights: load a torch checkpoint before converting."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
