@@ -7,7 +7,7 @@
 // kernels are in (grid_sample.py, PROGRAMS), each of which includes the shared header once:
 //
 //   grid_sample_common.cuh   Geo, coordinate math, loads / stores, and the one per-tap helper, PointTaps
-//   grid_sample_forward.cu   gs_forward
+//   grid_sample_forward.cu   gs_forward, gs_forward_plane (channels-first planes in shared memory)
 //   grid_sample_backward.cu  gs_backward: the fast backward (atomics into a channels-last accumulator); also
 //                            grad_grid for the deterministic backwards
 //   grid_sample_tile.cu      gs_tile_sort / gs_tile_gather / gs_gg_sum: the shared-memory backward (fast or

@@ -72,13 +72,13 @@ GEO_FIELDS = ("N", "C", "ID", "IH", "IW", "OD", "OH", "OW",
               "go_sN", "go_sC", "go_sD", "go_sH", "go_sW",
               "pad", "align", "lanes_log2", "flags")
 TR_FIELDS = ("N", "C", "S", "H", "W", "sN", "sC", "sD", "sH", "sW", "packed")
-F_GI, F_GG, F_IN_VEC, F_GO_VEC, F_GI_VEC, F_POINT_FAST = 1, 2, 4, 8, 16, 32
+F_GI, F_GG, F_IN_VEC, F_GO_VEC, F_GI_VEC, F_POINT_FAST, F_PLANE_VEC = 1, 2, 4, 8, 16, 32, 64
 VEC = 4  # channels per lane (VEC in grid_sample_common.cuh)
 BLOCK = 256
 MAX_BLOCKS = 1 << 20  # grid-stride loops take the rest
 OPTIONS = _compile.BASE_OPTIONS
 INT_MAX = 2**31 - 1
-KERNELS = ("gs_forward", "gs_backward", "gs_keys", "gs_gather")
+KERNELS = ("gs_forward", "gs_forward_coords", "gs_forward_plane", "gs_backward", "gs_keys", "gs_gather")
 TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-memory backward (16/32-bit)
 TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample_tile.cu
 TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
@@ -89,7 +89,7 @@ SCAN_THREADS, SCAN_TILE = 256, 256 * 16  # GS_SCAN_THREADS, GS_SCAN_TILE in grid
 # The program (kernel source file) of each kernel; each includes grid_sample_common.cuh. grid_sample.cu holds
 # them all in one translation unit for tools; plans never compile it.
 PROGRAMS = {
-    "grid_sample_forward.cu": ("gs_forward",),
+    "grid_sample_forward.cu": ("gs_forward", "gs_forward_coords", "gs_forward_plane"),
     "grid_sample_backward.cu": ("gs_backward",),
     "grid_sample_tile.cu": (*TILE_KERNELS, "gs_gg_sum"),
     "grid_sample_counting.cu": (*COUNT_KERNELS, "gs_place", *SCAN_KERNELS),
@@ -118,9 +118,15 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # groups; ATen's kernel is one thread per point looping over every channel): at least fwd_lanes_log2
 # (channels-first, channels-last: channels-last needs lanes for coalesced reads), enough that a lane takes
 # at most fwd_groups_per_lane groups, more while points x lanes < fwd_threads (tools/probe_grid_sample_forward.py).
+# fwd_plane*: channels-first forwards that may stage input planes in shared memory (gs_forward_plane, which the
+# device picks over the gather kernel on scattered grids; _plane_shape says where, docs/kernels.md why);
+# fwd_plane_threads / fwd_plane_points reach the kernel as GS_PLANE_THREADS / GS_PLANE_POINTS.
 TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
           "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": (),
-          "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5)}
+          "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5),
+          "fwd_plane": True, "fwd_plane_bytes": 48 * 1024, "fwd_plane_fill": 4, "fwd_plane_min_points": 0.25,
+          "fwd_plane_min_values": 1 << 23, "fwd_plane_modes": ("bilinear",), "fwd_plane_threads": 256,
+          "fwd_plane_points": 4}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -419,7 +425,7 @@ class _Builder:
             self.ops.append(("zero", ref, int(nbytes)))
 
     def launch(self, name: str, grid, block, args, shared: int = 0) -> None:
-        fn = _functions(self.device, program_of(name), self.dtype, OPTIONS + tuple(TUNING.get("options", ())))[name]
+        fn = _functions(self.device, program_of(name), self.dtype, _options())[name]
         _allow_shared(fn, self.device, shared)
         self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name, int(shared)))
 
@@ -456,6 +462,13 @@ class _Builder:
             offsets.append((name, total))
             total += -(-max(nbytes, 1) // 256) * 256
         return _Plan(geo, inputs, outputs, tuple(offsets), total, tuple(self.ops))
+
+
+def _options() -> tuple[str, ...]:
+    """NVRTC options of every program: the forward's plane knobs as macros, then TUNING's own."""
+    plane = (f"-DGS_PLANE_THREADS={int(TUNING['fwd_plane_threads'])}",
+             f"-DGS_PLANE_POINTS={int(TUNING['fwd_plane_points'])}")
+    return OPTIONS + plane + tuple(TUNING.get("options", ()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -633,13 +646,61 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
         channels_last = out.strides[1] == 1
         if not channels_last:
             flags |= F_POINT_FAST
+        dense_out = _dense_aligned(0, out.strides, out.shape, 1)
+        ps = _plane_shape(geo, in_strides, in_res, device) if dense_out and not channels_last else None
+        io = (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"))
+        variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
+        scattered = None  # the gather kernel alone: it always runs
+        if ps is not None:  # both kernels, after the coordinates' pass that picks one of them on the device
+            scattered = b.buffer(8)
+            b.zero(scattered, 8)
+            g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
+                            go=_nc5(out.strides, geo.nd), flags=flags | (F_PLANE_VEC if ps.vec else 0))
+            coords = b.buffer(geo.N * geo.points * geo.nd * ITEMSIZE[ACC_DTYPE[a]])
+            b.launch(f"gs_forward_coords{variant}", (_blocks(geo.N * geo.points),), (BLOCK,), (io[1], coords, g, scattered))
+            b.launch(f"gs_forward_plane{variant}", (ps.blocks,), (int(TUNING["fwd_plane_threads"]),),
+                     (io[0], coords, io[2], g, np.int32(ps.cpb), np.int32(ps.splits), scattered), shared=ps.shared)
         lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
         g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
                         go=_nc5(out.strides, geo.nd), lanes_log2=lanes_log2, flags=flags)
         threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))
-        b.launch(f"gs_forward<{t}, {a}, {geo.nd}, {geo.mode}>", (_blocks(threads),), (BLOCK,),
-                 (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"), g))
+        b.launch(f"gs_forward{variant}", (_blocks(threads),), (BLOCK,), io + (g, scattered))
     return b.plan(geo, FORWARD_INPUTS, {"output": out})
+
+
+class _PlaneShape(NamedTuple):
+    cpb: int  # channels a block
+    splits: int  # point ranges a (batch item, channel group)
+    blocks: int
+    shared: int  # bytes: cpb planes, each rounded up to 16
+    vec: bool  # planes copied in 16-byte chunks (F_PLANE_VEC)
+
+
+def _plane_shape(geo: Geometry, in_strides, in_res: int, device: int) -> _PlaneShape | None:
+    """How gs_forward_plane runs a channels-first forward, or None where the gather kernel alone does: modes
+    outside fwd_plane_modes (nearest's and bicubic's gathers were as fast on scattered grids), outputs of fewer
+    than fwd_plane_min_values values (the coordinates' pass and the kernel that exits cost ~6 us, more than
+    scattered reads cost there), a plane above the device's shared memory per block, or fewer points than
+    fwd_plane_min_points of a plane's pixels (the gather then reads less than whole planes). A block takes as
+    many planes as fit fwd_plane_bytes (at least one); the points split while blocks number fewer than
+    fwd_plane_fill per SM, a range at least a block's threads' worth."""
+    if not TUNING["fwd_plane"] or MODES[geo.mode] not in TUNING["fwd_plane_modes"]:
+        return None
+    if geo.points < TUNING["fwd_plane_min_points"] * geo.pixels or geo.N * geo.C * geo.points < TUNING["fwd_plane_min_values"]:
+        return None
+    item = ITEMSIZE[geo.dtype]
+    plane = -(-geo.pixels * item // 16) * 16
+    limit, sms = _device_limits(device)
+    if plane > limit:
+        return None
+    cpb = max(1, min(geo.C, int(TUNING["fwd_plane_bytes"]) // plane))
+    groups = geo.N * -(-geo.C // cpb)
+    splits = max(1, min(-(-int(TUNING["fwd_plane_fill"] * sms) // groups), geo.points // int(TUNING["fwd_plane_threads"])))
+    if groups * splits > INT_MAX:
+        return None
+    values = 16 // item
+    vec = geo.pixels % values == 0 and _dense_aligned(in_res, in_strides, _in_shape(geo), values)
+    return _PlaneShape(cpb, splits, groups * splits, cpb * plane, vec)
 
 
 def _forward_lanes_log2(geo: Geometry, *, channels_last: bool) -> int:
@@ -770,10 +831,15 @@ class _TileShape(NamedTuple):
 
 def _planes_dense(t: _Tensor, shape, values: int) -> bool:
     """Every channel plane of `t` (N, C, *spatial) is dense and starts on a `values`-element (16-byte) boundary."""
+    return _dense_aligned(int(t.ref), t.strides, shape, values)
+
+
+def _dense_aligned(residue: int, strides, shape, values: int) -> bool:
+    """_planes_dense of a buffer at `residue` (its address mod 256) with `strides`."""
     dense = _contiguous_strides(shape)[2:]
-    if any(st != e and d != 1 for st, e, d in zip(t.strides[2:], dense, shape[2:])):
+    if any(st != e and d != 1 for st, e, d in zip(strides[2:], dense, shape[2:])):
         return False
-    return int(t.ref) % TILE_CHUNK == 0 and all(st % values == 0 for st, d in zip(t.strides[:2], shape[:2]) if d > 1)
+    return residue % TILE_CHUNK == 0 and all(st % values == 0 for st, d in zip(strides[:2], shape[:2]) if d > 1)
 
 
 def _round8(chunks: int) -> int:

@@ -17,7 +17,7 @@
 // Shared with grid_sample.py.
 enum { MODE_BILINEAR, MODE_NEAREST, MODE_BICUBIC };
 enum { PAD_ZEROS, PAD_BORDER, PAD_REFLECTION };
-enum { F_GI = 1, F_GG = 2, F_IN_VEC = 4, F_GO_VEC = 8, F_GI_VEC = 16, F_POINT_FAST = 32 };
+enum { F_GI = 1, F_GG = 2, F_IN_VEC = 4, F_GO_VEC = 8, F_GI_VEC = 16, F_POINT_FAST = 32, F_PLANE_VEC = 64 };
 
 #define VEC 4
 

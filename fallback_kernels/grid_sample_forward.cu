@@ -1,5 +1,6 @@
 // grid_sample forward (one program): gs_forward, L lanes per output point, each building the point's taps once
-// (PointTaps, grid_sample_common.cuh) and looping over channel groups.
+// (PointTaps, grid_sample_common.cuh) and looping over channel groups, reading taps from global memory; and
+// gs_forward_plane, channels-first planes staged in shared memory (grid_sample.py picks, _plane_shape).
 
 #include "grid_sample_common.cuh"
 
@@ -20,9 +21,18 @@
 #define GS_FWD_BLOCKS(A, ND, MODE) \
     ((MODE) == MODE_BICUBIC || sizeof(A) == 8 ? 1 : (ND) == 2 && (MODE) == MODE_BILINEAR ? 3 : 2)
 #endif
+// The plane kernel's choice (see gs_forward_coords): more than a quarter of the warps of points scattered.
+__device__ __forceinline__ bool plane_chosen(const unsigned long long* scattered, const Geo& g) {
+    const unsigned long long warps = (unsigned long long)((g.N * g.OD * g.OH * g.OW + 31) / 32);
+    return *scattered * 4 > warps;
+}
+
+// `scattered` (null: always run): gs_forward_coords' count; the gather kernel runs where the plane kernel does not.
 template <typename T, typename A, int ND, int MODE>
 __global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(const T* __restrict__ inp, const T* __restrict__ grid,
-                                                  T* __restrict__ out, const Geo g) {
+                                                  T* __restrict__ out, const Geo g,
+                                                  const unsigned long long* __restrict__ scattered) {
+    if (scattered != nullptr && plane_chosen(scattered, g)) return;
     const long long P = g.OD * g.OH * g.OW, C = g.C;
     const long long G = (C + VEC - 1) / VEC;
     const long long L = (1LL << g.lanes_log2) < G ? (1LL << g.lanes_log2) : G;
@@ -92,5 +102,176 @@ __global__ void __launch_bounds__(256, GS_FWD_BLOCKS(A, ND, MODE)) gs_forward(co
             }
             store_ch(out_n + c0 * g.go_sC, g.go_sC, nc, out_vec, acc);
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Forward through shared memory (channels-first input and output): gs_forward_coords stores each point's
+// source coordinates, then gs_forward_plane block b takes batch item n, channels c0 .. c0 + nc (cpb a block) and
+// one of `splits` ranges of points. It copies its nc input planes into shared memory, each read from global
+// memory once and coalesced, then a thread takes GS_PLANE_R points at a time (their coordinates' reads in flight
+// together), builds each point's taps once and reads them from shared memory for each channel. The gather
+// kernel above reads every tap from global memory: on a scattered grid each tap is a separate line in L2, and
+// ATen's kernel (the same reads) ran 1.1-1.6x faster than it there; here the grid's order does not matter.
+// F_PLANE_VEC: dense planes whose starts and sizes are 16-byte multiples, copied in 16-byte chunks
+// asynchronously (cp.async, sm_80+) while the first coordinates load; else element by element.
+// ---------------------------------------------------------------------------------------------------
+#ifndef GS_PLANE_THREADS
+#define GS_PLANE_THREADS 256
+#endif
+#ifndef GS_PLANE_POINTS
+#define GS_PLANE_POINTS 4
+#endif
+// Points a thread takes at once: GS_PLANE_POINTS, one for bicubic and float64 (their taps alone fill registers).
+#define GS_PLANE_R(A, MODE) ((MODE) == MODE_BICUBIC || sizeof(A) == 8 ? 1 : GS_PLANE_POINTS)
+
+__device__ __forceinline__ void copy16_async(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+#else
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#endif
+}
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::);
+#endif
+}
+
+template <typename T> __device__ __forceinline__ void copy_planes(T* planes, int Es, const T* in_c, int nc, const Geo& g) {
+    const int IW = (int)g.IW, IH = (int)g.IH, E = (int)(g.ID * g.IH * g.IW);
+    if (g.flags & F_PLANE_VEC) {
+        const int chunks = (int)((long long)E * sizeof(T) / 16);
+        for (int i = threadIdx.x; i < nc * chunks; i += blockDim.x) {
+            const int ch = i / chunks, j = i - ch * chunks;
+            copy16_async(reinterpret_cast<uint4*>(planes + ch * Es) + j, reinterpret_cast<const uint4*>(in_c + ch * g.in_sC) + j);
+        }
+    } else {
+        for (int i = threadIdx.x; i < nc * E; i += blockDim.x) {
+            const int ch = i / E, e = i - ch * E, x = e % IW, r = e / IW, y = r % IH, z = r / IH;
+            planes[ch * Es + e] = in_c[ch * g.in_sC + z * g.in_sD + y * g.in_sH + x * g.in_sW];
+        }
+    }
+}
+
+// One point's output for nc channels from the planes in shared memory (taps built once).
+template <typename T, typename A, int ND, int MODE>
+__device__ __forceinline__ void plane_point(const T* planes, int Es, int nc, const A c[ND], const Geo& g, T* o) {
+    constexpr int K = Taps<ND, MODE>::K;
+    const PointTaps<A, ND, MODE> tp(c, g);
+    int at[K];  // each tap's index within a plane, -1 outside
+    A w[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        at[k] = tp.ok(k) ? tp.template dst<int>(k) : -1;
+        w[k] = tp.w(k);
+    }
+    for (int ch = 0; ch < nc; ++ch) {
+        const T* pl = planes + ch * Es;
+        A acc = static_cast<A>(0);
+        if constexpr (MODE == MODE_BICUBIC) {
+            A rows[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                A v[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[i] = at[4 * j + i] >= 0 ? static_cast<A>(to_acc(pl[at[4 * j + i]])) : static_cast<A>(0);
+                rows[j] = cubic_interp1d<A>(v[0], v[1], v[2], v[3], tp.xc);
+            }
+            acc = cubic_interp1d<A>(rows[0], rows[1], rows[2], rows[3], tp.yc);
+        } else if constexpr (MODE == MODE_NEAREST) {
+            if (at[0] >= 0) acc = static_cast<A>(to_acc(pl[at[0]]));  // the value itself: -0.0 stays
+        } else {
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+                if (at[k] >= 0) acc += static_cast<A>(to_acc(pl[at[k]])) * w[k];
+        }
+        o[ch * g.go_sC] = from_acc<T>(acc);
+    }
+}
+
+// The plane kernel's first pass: each output point's source coordinates, coords[np * ND + a] (np = n * P + p),
+// from its grid values through ATen's forward coordinate functions. Per point and channel group the plane
+// kernel then only builds the taps from them: computed in its own loop (64-bit index decoding, padding, the
+// grid's strides) they measured ~300 issue slots a warp of points, the kernel's whole time (H100).
+// It also counts the warps whose 32 points' taps spread over a box of more than GS_PLANE_SPREAD pixels
+// (`scattered`, zeroed before): on smooth grids the gather kernel reads few lines a warp and ran 1.5-3x faster
+// than staging planes, on scattered ones 1.5-3x slower; the kernels after it run whichever the count says.
+#ifndef GS_PLANE_SPREAD
+#define GS_PLANE_SPREAD 1024
+#endif
+__device__ __forceinline__ int warp_extent(int v, int size, unsigned int mask) {
+#if __CUDA_ARCH__ >= 800
+    const int c = v < -1 ? -1 : v > size ? size : v;  // taps beyond the edge are alike: no overflow below
+    return __reduce_max_sync(mask, c) - __reduce_min_sync(mask, c) + 1;
+#else
+    return 1;  // no warp reductions before sm_80: no warp counts as scattered, the gather kernel runs
+#endif
+}
+
+template <typename T, typename A, int ND, int MODE>
+__global__ void __launch_bounds__(256) gs_forward_coords(const T* __restrict__ grid, A* __restrict__ coords, const Geo g,
+                                                         unsigned long long* __restrict__ scattered) {
+    const long long P = g.OD * g.OH * g.OW, NP = g.N * P;
+    for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
+        long long p, od, oh, ow;
+        const long long n = div_rem(np, P, p);
+        point_at(p, g, od, oh, ow);
+        A c[ND];
+        grid_coords<T, A, ND, MODE, false>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, nullptr);
+#pragma unroll
+        for (int a = 0; a < ND; ++a) coords[np * ND + a] = c[a];
+        const unsigned int mask = __activemask();
+        const A big = static_cast<A>(1 << 30);  // a NaN or huge coordinate: outside, as any beyond the edge
+        auto cell = [&](A v) { return m_finite(v) && m_fabs(v) < big ? static_cast<int>(m_floor(v)) : -2; };
+        long long box = (long long)warp_extent(cell(c[0]), (int)g.IW, mask) * warp_extent(cell(c[1]), (int)g.IH, mask);
+        if constexpr (ND == 3) box *= warp_extent(cell(c[2]), (int)g.ID, mask);
+        if (box > GS_PLANE_SPREAD && (threadIdx.x & 31) == __ffs(mask) - 1) atomicAdd(scattered, 1ULL);
+    }
+}
+
+// Output planes are dense (the output is ours): point p of channel c is out_n[c * go_sC + p].
+template <typename T, typename A, int ND, int MODE>
+__global__ void __launch_bounds__(GS_PLANE_THREADS, 1) gs_forward_plane(const T* __restrict__ inp, const A* __restrict__ coords,
+                                                                        T* __restrict__ out, const Geo g, const int cpb,
+                                                                        const int splits,
+                                                                        const unsigned long long* __restrict__ scattered) {
+    if (!plane_chosen(scattered, g)) return;
+    extern __shared__ __align__(16) unsigned char gs_plane_smem[];
+    T* planes = reinterpret_cast<T*>(gs_plane_smem);
+    const int Es = (int)((((long long)(g.ID * g.IH * g.IW) * sizeof(T) + 15) / 16) * 16 / sizeof(T));  // plane stride
+    const long long CG = (g.C + cpb - 1) / cpb;
+    long long s, cg;
+    const long long n = div_rem(div_rem((long long)blockIdx.x, splits, s), CG, cg);
+    const long long c0 = cg * cpb;
+    const int nc = (int)((g.C - c0) < cpb ? (g.C - c0) : cpb);
+    copy_planes(planes, Es, inp + n * g.in_sN + c0 * g.in_sC, nc, g);
+
+    constexpr int R = GS_PLANE_R(A, MODE);
+    const long long P = g.OD * g.OH * g.OW, per = (P + splits - 1) / splits, p1 = (s + 1) * per < P ? (s + 1) * per : P;
+    const long long step = (long long)R * blockDim.x;
+    const A* coords_n = coords + n * P * ND;
+    T* out_n = out + n * g.go_sN + c0 * g.go_sC;
+    A c[R][ND];
+    auto load = [&](long long q) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const long long p = q + (long long)r * blockDim.x;
+            if (p < p1) {
+#pragma unroll
+                for (int a = 0; a < ND; ++a) c[r][a] = coords_n[p * ND + a];
+            }
+        }
+    };
+    long long q = s * per + threadIdx.x;
+    load(q);  // the first points' coordinates load while the planes copy
+    copy_async_wait();
+    __syncthreads();
+    for (; q < p1; q += step) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (q + (long long)r * blockDim.x < p1) plane_point<T, A, ND, MODE>(planes, Es, nc, c[r], g, out_n + q + (long long)r * blockDim.x);
+        load(q + step);
     }
 }

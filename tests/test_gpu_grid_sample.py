@@ -209,6 +209,7 @@ def test_forward_lanes_looping_over_channel_groups(monkeypatch, lanes_log2):
     monkeypatch.setitem(gs.TUNING, "fwd_threads", 1)
     monkeypatch.setitem(gs.TUNING, "fwd_groups_per_lane", 1 << 20)
     monkeypatch.setitem(gs.TUNING, "fwd_lanes_log2", (lanes_log2, lanes_log2))
+    monkeypatch.setitem(gs.TUNING, "fwd_plane", False)  # the gather kernel alone (planes: the test below)
     torch.manual_seed(4)
     failures = []
     for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (3, ((4, 5, 6), (3, 4, 5)))):
@@ -220,6 +221,37 @@ def test_forward_lanes_looping_over_channel_groups(monkeypatch, lanes_log2):
                         if f:
                             failures.append(f)
     _fail_if_any(f"forward_lanes[{lanes_log2}]", failures)
+
+
+@pytest.mark.parametrize("spread", [0, 1 << 40], ids=["plane", "gather"])
+def test_forward_planes_in_shared_memory(monkeypatch, spread):
+    """Channels-first forwards through the plane kernel (GS_PLANE_SPREAD=0: every warp counts as scattered)
+    and, in the same four-op plan, through the gather kernel (no warp does): every mode and padding, ragged
+    channel groups, planes not a 16-byte multiple, strided inputs (element copies), several point ranges."""
+    monkeypatch.setitem(gs.TUNING, "options", (f"-DGS_PLANE_SPREAD={spread}",))
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_bytes", 2048)  # a few planes a block, several channel groups
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_min_values", 0)  # small shapes too
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_modes", gs.MODES)
+    torch.manual_seed(9)
+    failures = []
+    for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (2, ((16, 16), (40, 40))), (3, ((4, 5, 6), (3, 4, 5)))):
+        for dtype in ("float32", "float16", "bfloat16", "float64"):
+            for mode in MODES[nd]:
+                for pad in PADS:
+                    f = run_case(nd, mode, pad, pad == "border", dtype, "contiguous", 3, 13, in_sp, out_sp,
+                                 algorithms=())
+                    if f:
+                        failures.append(f)
+    for dtype in ("float32", "float16"):  # a strided view: planes copied element by element
+        base = rand((2, 10, 13, 34), dtype)
+        inp = base[:, 1:9, ::2, ::2]
+        grid = make_grid(2, (20, 21), (7, 17), False, dtype)
+        ref = oracle(inp, grid, torch.zeros((2, 8, 20, 21), device="cuda", dtype=torch.float64), "bilinear",
+                     "zeros", False)[0]
+        err = rel(gs.grid_sample(inp, grid), ref)
+        if not err <= TOL[dtype]:
+            failures.append(dict(dtype=dtype, strided=err))
+    _fail_if_any(f"forward_planes[{spread}]", failures)
 
 
 @pytest.mark.parametrize("go_transpose, input_transpose", [(True, True), (False, False)])

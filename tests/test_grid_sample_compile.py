@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,7 +89,7 @@ def test_a_header_edit_changes_every_program_text_and_the_kernel_cache_key(monke
 # The kernels that read a point's taps through PointTaps, float io (f32 math), every mode. A tap index known only
 # at run time (the deterministic gathers) once indexed PointTaps' arrays and put it in local memory (32-64 byte
 # stack frames); the 16-bit and float64 variants have a few small frames of other origins.
-_TAP_READERS = [f"{k}<float, float, {nd}, {m}>" for k in ("gs_forward", "gs_backward", "gs_keys", "gs_count",
+_TAP_READERS = [f"{k}<float, float, {nd}, {m}>" for k in ("gs_forward", "gs_forward_plane", "gs_backward", "gs_keys", "gs_count",
                                                           "gs_gather", "gs_gather_exact") for nd, m in gs.VARIANTS]
 _TAP_READERS += [f"gs_place<float, {nd}, {m}>" for nd, m in gs.VARIANTS]
 _TAP_READERS += [f"{k}<float, float, {nd}, {m}>" for k in gs.CELL_KERNELS for nd, m in gs.VARIANTS if m != gs.BICUBIC]
@@ -155,7 +157,7 @@ def test_enums_match_the_cuda_source():
     assert enum("MODE_BILINEAR") == [f"MODE_{m.upper()}" for m in gs.MODES]
     assert enum("PAD_ZEROS") == [f"PAD_{p.upper()}" for p in gs.PADDINGS]
     flags = dict(re.findall(r"(F_\w+) = (\d+)", src))
-    for name in ("F_GI", "F_GG", "F_IN_VEC", "F_GO_VEC", "F_GI_VEC", "F_POINT_FAST"):
+    for name in ("F_GI", "F_GG", "F_IN_VEC", "F_GO_VEC", "F_GI_VEC", "F_POINT_FAST", "F_PLANE_VEC"):
         assert int(flags[name]) == getattr(gs, name)
     assert f"#define VEC {gs.VEC}" in src
 
@@ -323,7 +325,7 @@ def _check_plan(plan, external):
             assert len(args) == arity[base], (fn.name, len(args))
             assert all(0 < d < 2**31 for d in grid) and grid[1:] <= (65535, 65535)[: len(grid) - 1]
             assert 0 < __import__("math").prod(block) <= 1024
-            assert 0 <= shared <= H100_SHARED and (shared > 0) == (base in gs.TILE_KERNELS)
+            assert 0 <= shared <= H100_SHARED and (shared > 0) == (base in gs.TILE_KERNELS + ("gs_forward_plane",))
             for a in args:
                 if isinstance(a, np.ndarray):
                     assert a.dtype in (gs._GEO_DTYPE, gs._TR_DTYPE) and a.shape == (1,)
@@ -529,3 +531,79 @@ def test_tile_knobs(cpu_plans, monkeypatch):
 def test_forward_lanes_per_point(in_shape, out_sp, channels_last, lanes_log2):
     geo = gs.geometry(in_shape, (in_shape[0], *out_sp, len(out_sp)), "float32", "float32")
     assert gs._forward_lanes_log2(geo, channels_last=channels_last) == lanes_log2
+
+
+def test_plane_knobs_reach_the_kernel_as_macros(monkeypatch):
+    src = (Path(gs.__file__).parent / "grid_sample_forward.cu").read_text()
+    assert f"#define GS_PLANE_THREADS {gs.TUNING['fwd_plane_threads']}\n" in src  # the source's default, the same
+    assert f"#define GS_PLANE_POINTS {gs.TUNING['fwd_plane_points']}\n" in src
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_threads", 256)
+    monkeypatch.setitem(gs.TUNING, "options", ("-DX=1",))
+    assert gs._options()[-3:] == ("-DGS_PLANE_THREADS=256", f"-DGS_PLANE_POINTS={gs.TUNING['fwd_plane_points']}", "-DX=1")
+
+
+def _forward_launch(in_shape, out_sp, *, strides=None, dtype="float32", residue=0):
+    """The forward plan's last launch of the plane kernel (checked: the ops around it), else its gather launch."""
+    strides = strides or gs._contiguous_strides(in_shape)
+    gshape = (in_shape[0], *out_sp, len(out_sp))
+    plan = gs._forward_plan(0, (in_shape, strides, dtype, residue), (gshape, gs._contiguous_strides(gshape), dtype, 0),
+                            "bilinear", "zeros", False, gs._tuning_key())
+    _check_plan(plan, gs.FORWARD_INPUTS + ("output",))
+    if len(plan.ops) == 1:  # the gather kernel alone, told nothing
+        (op,) = plan.ops
+        assert op[5].startswith("gs_forward<") and op[4][-1] is None
+        return op
+    # the count zeroed, the coordinates' pass counting into it, then both kernels reading it
+    zero, coords, plane, gather = plan.ops
+    flag, points = gs._Ref("scratch0"), gs._Ref("scratch1")
+    assert zero == ("zero", flag, 8) and plan.scratch[:2] == (("scratch0", 0), ("scratch1", 256))
+    assert coords[5].startswith("gs_forward_coords<") and coords[4][1] == points and coords[4][-1] == flag
+    assert plane[5].startswith("gs_forward_plane<") and plane[4][1] == points and plane[4][-1] == flag
+    assert gather[5].startswith("gs_forward<") and gather[4][-1] == flag
+    acc = gs.ITEMSIZE["float32" if dtype in ("float16", "bfloat16") else dtype]
+    assert plan.scratch_bytes == 256 + -(-math.prod(in_shape[:1] + out_sp) * len(out_sp) * acc // 256) * 256
+    return plane
+
+
+@pytest.mark.parametrize("in_shape, out_sp, dtype, cpb, blocks, shared", [
+    ((8, 64, 128, 128), (128, 128), "float32", 1, 1024, 65536),  # one 64 KiB plane a block, 2 point ranges
+    ((32, 32, 64, 64), (64, 64), "float16", 6, 192 * 3, 6 * 8192),  # 6 planes in 48 KiB, 3 ranges
+    ((2, 16, 32, 32, 32), (32, 32, 32), "float32", 1, 32 * 17, 131072),  # 128 KiB: above 48, within the opt-in
+    ((2, 5, 7, 9), (6, 5), "float32", 5, 2, 5 * 256),  # 63 values a plane, rounded up to 16 bytes
+])
+def test_channels_first_forward_stages_planes_in_shared_memory(cpu_plans, monkeypatch, in_shape, out_sp, dtype, cpb,
+                                                                blocks, shared):
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_min_values", 0)
+    _, fn, grid, block, args, name, sh = _forward_launch(in_shape, out_sp, dtype=dtype)
+    assert name.startswith("gs_forward_plane<") and block == (gs.TUNING["fwd_plane_threads"],)
+    assert (int(args[-3]), grid[0], sh) == (cpb, blocks, shared)
+    assert int(args[3]["flags"][0]) & gs.F_PLANE_VEC == (gs.F_PLANE_VEC if in_shape[-1] % 4 == 0 else 0)
+
+
+@pytest.mark.parametrize("in_shape, out_sp, why", [
+    ((8, 3, 256, 256), (224, 224), "a 256 KiB plane is above the shared memory a block may have"),
+    ((2, 8, 64, 64), (16, 16), "256 points read less than a 4096-pixel plane"),
+    ((32, 32, 64, 64), (64, 64), "2^22 output values: the pass and the launch that exits cost more"),
+])
+def test_channels_first_forward_gathers_elsewhere(cpu_plans, in_shape, out_sp, why):
+    assert _forward_launch(in_shape, out_sp)[5].startswith("gs_forward<"), why
+
+
+def test_plane_kernel_modes(cpu_plans, monkeypatch):
+    geo = gs.geometry((8, 64, 128, 128), (8, 128, 128, 2), "float32", "float32", mode="nearest")
+    assert gs._plane_shape(geo, gs._contiguous_strides((8, 64, 128, 128)), 0, 0) is None  # bilinear only
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_modes", gs.MODES)
+    assert gs._plane_shape(geo, gs._contiguous_strides((8, 64, 128, 128)), 0, 0).cpb == 1
+
+
+def test_forward_layouts_and_knobs(cpu_plans, monkeypatch):
+    monkeypatch.setitem(gs.TUNING, "fwd_plane_min_values", 0)
+    shape = (2, 8, 16, 16)
+    cl = _forward_launch(shape, (16, 16), strides=gs._cl_strides(shape))
+    assert cl[5].startswith("gs_forward<")  # channels-last: the gather kernel reads channels coalesced
+    strided = _forward_launch(shape, (16, 16), strides=tuple(2 * s for s in gs._contiguous_strides(shape)))
+    assert strided[5].startswith("gs_forward_plane<") and not int(strided[4][3]["flags"][0]) & gs.F_PLANE_VEC
+    misaligned = _forward_launch(shape, (16, 16), residue=4)
+    assert misaligned[5].startswith("gs_forward_plane<") and not int(misaligned[4][3]["flags"][0]) & gs.F_PLANE_VEC
+    monkeypatch.setitem(gs.TUNING, "fwd_plane", False)
+    assert _forward_launch(shape, (16, 16))[5].startswith("gs_forward<")

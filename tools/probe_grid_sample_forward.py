@@ -2,7 +2,8 @@
 
     python -m tools.probe_grid_sample_forward --out probe_grid_sample_forward.json
 
-The forward gives each output point L lanes; a lane computes the point's taps once and loops over channel
+Channels-first, the forward stages input planes in shared memory (gs_forward_plane; "gather" is the kernel
+that reads taps from global memory, TUNING fwd_plane*). The gather kernel gives each output point L lanes; a lane computes the point's taps once and loops over channel
 groups of 4 (ATen's kernel: one thread per point looping over every channel). Per shape, grid kind
 (random over [-1.1, 1.1]: scattered reads; affine: a smooth rotation and scaling) and setting of
 TUNING's forward knobs (SETTINGS; "one_per_group" is L = channel groups, the kernel before lanes looped), device us per call: the median of blocks of back-to-back calls
@@ -29,12 +30,25 @@ SHAPES = (  # name, dtype, input shape, output spatial, layout, mode
     ("f32 bicubic (4,32,64,64)", "float32", (4, 32, 64, 64), (64, 64), "first", "bicubic"),
     ("f16 nearest (32,32,64,64)", "float16", (32, 32, 64, 64), (64, 64), "first", "nearest"),
     ("f32 (2,512,16,16) -> 8x8", "float32", (2, 512, 16, 16), (8, 8), "first", "bilinear"),
+    ("bf16 (32,32,64,64)", "bfloat16", (32, 32, 64, 64), (64, 64), "first", "bilinear"),
+    ("f16 3-D (4,16,32,32,32)", "float16", (4, 16, 32, 32, 32), (32, 32, 32), "first", "bilinear"),
+    ("f32 3-D nearest (2,16,32,32,32)", "float32", (2, 16, 32, 32, 32), (32, 32, 32), "first", "nearest"),
+    ("f32 3-D (4,32,32,64,64)", "float32", (4, 32, 32, 64, 64), (32, 64, 64), "first", "bilinear"),
+    ("f32 bicubic (4,32,64,64) NHWC", "float32", (4, 32, 64, 64), (64, 64), "last", "bicubic"),
+    ("f32 (8,3,256,256) -> 224x224", "float32", (8, 3, 256, 256), (224, 224), "first", "bilinear"),
 )
 SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
     "default": {},
     "vec_L1": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20},
     "vec_L2": {"fwd_threads": 1, "fwd_groups_per_lane": 1 << 20, "fwd_lanes_log2": (1, 5)},
     "one_per_group": {"fwd_threads": 1 << 50},  # L = channel groups: the kernel before lanes looped
+    # channels-first: the gather kernel (taps from global memory) against planes in shared memory
+    "gather": {"fwd_plane": False},
+    "plane_only": {"options": ("-DGS_PLANE_SPREAD=0",)},  # every warp counts as scattered: planes always
+    **{f"plane_{kb}k": {"fwd_plane_bytes": kb * 1024} for kb in (16, 96)},
+    **{f"fill_{n}": {"fwd_plane_fill": n} for n in (1, 2, 8, 16)},
+    **{f"threads_{n}": {"fwd_plane_threads": n} for n in (256, 1024)},
+    **{f"points_{n}": {"fwd_plane_points": n} for n in (1, 2, 8)},
     # registers as the compiler likes (1), or capped for n blocks of 256 per SM, every variant alike
     **{f"min_blocks_{n}": {"options": (f"-DGS_FWD_MIN_BLOCKS={n}",)} for n in (1, 2, 3, 4, 5)},
 }
