@@ -651,18 +651,17 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
         io = (_Ref("input", in_res), _Ref("grid", gr_res), _Ref("output"))
         variant = f"<{t}, {a}, {geo.nd}, {geo.mode}>"
         scattered = None  # the gather kernel alone: it always runs
+        strides = dict(inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd), go=_nc5(out.strides, geo.nd))
         if ps is not None:  # both kernels, after the coordinates' pass that picks one of them on the device
             scattered = b.buffer(8)
             b.zero(scattered, 8)
-            g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
-                            go=_nc5(out.strides, geo.nd), flags=flags | (F_PLANE_VEC if ps.vec else 0))
+            g = _geo_struct(geo, **strides, flags=flags | (F_PLANE_VEC if ps.vec else 0))
             coords = b.buffer(geo.N * geo.points * geo.nd * ITEMSIZE[ACC_DTYPE[a]])
             b.launch(f"gs_forward_coords{variant}", (_blocks(geo.N * geo.points),), (BLOCK,), (io[1], coords, g, scattered))
             b.launch(f"gs_forward_plane{variant}", (ps.blocks,), (int(TUNING["fwd_plane_threads"]),),
                      (io[0], coords, io[2], g, np.int32(ps.cpb), np.int32(ps.splits), scattered), shared=ps.shared)
         lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
-        g = _geo_struct(geo, inp=_nc5(in_strides, geo.nd), grid=_grid5(gr_strides, geo.nd),
-                        go=_nc5(out.strides, geo.nd), lanes_log2=lanes_log2, flags=flags)
+        g = _geo_struct(geo, **strides, lanes_log2=lanes_log2, flags=flags)
         threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))
         b.launch(f"gs_forward{variant}", (_blocks(threads),), (BLOCK,), io + (g, scattered))
     return b.plan(geo, FORWARD_INPUTS, {"output": out})

@@ -310,13 +310,14 @@ __device__ __forceinline__ void grid_coords(const T* __restrict__ gp, const Geo&
     point_coords<A, ND, MODE, GRAD>(x, y, z, g, c, mult);
 }
 
-// Point p of batch item n: its coordinates from its grid values, read through the grid's strides.
-template <typename T, typename A, int ND, int MODE, typename I>
+// Point p of batch item n: its coordinates from its grid values, read through the grid's strides (GRAD: as
+// grid_coords).
+template <typename T, typename A, int ND, int MODE, bool GRAD = true, typename I>
 __device__ __forceinline__ void grid_point(const T* __restrict__ grid, long long n, I p, const Geo& g, A c[ND],
                                            A mult[ND]) {
     I od, oh, ow;
     point_at(p, g, od, oh, ow);
-    grid_coords<T, A, ND, MODE>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, mult);
+    grid_coords<T, A, ND, MODE, GRAD>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, mult);
 }
 
 // A point's taps from its coordinates: ok(k) when tap k falls inside (any(): some tap does); its pixel dst(k)

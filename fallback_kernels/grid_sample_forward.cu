@@ -215,11 +215,10 @@ __global__ void __launch_bounds__(256) gs_forward_coords(const T* __restrict__ g
                                                          unsigned long long* __restrict__ scattered) {
     const long long P = g.OD * g.OH * g.OW, NP = g.N * P;
     for (long long np = blockIdx.x * (long long)blockDim.x + threadIdx.x; np < NP; np += (long long)gridDim.x * blockDim.x) {
-        long long p, od, oh, ow;
+        long long p;
         const long long n = div_rem(np, P, p);
-        point_at(p, g, od, oh, ow);
         A c[ND];
-        grid_coords<T, A, ND, MODE, false>(grid + n * g.gr_sN + od * g.gr_sD + oh * g.gr_sH + ow * g.gr_sW, g, c, nullptr);
+        grid_point<T, A, ND, MODE, false>(grid, n, p, g, c, nullptr);
 #pragma unroll
         for (int a = 0; a < ND; ++a) coords[np * ND + a] = c[a];
         const unsigned int mask = __activemask();
