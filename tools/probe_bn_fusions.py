@@ -4,12 +4,14 @@ For every ResNet-50 conv geometry (batch 64, NHWC) and io dtype, builds straight
   stats : conv -> genstats (per-channel sum and sum of squares of the output)
   pro   : relu(x * scale + shift) -> conv -> genstats  (the previous BN's apply as this conv's prologue)
   wgrad : relu(x * scale + shift) -> wgrad            (the same prologue on the filter gradient)
-with the scale/shift operands in the io dtype and in float32. Device µs are CUDA-event times of 20
+with the scale/shift operands in the io dtype and in float32. `--inference`: DenseNet-121's pre-activation
+layers (batch 32, float16): relu(x * scale + shift) -> conv with no statistics, with a bias + ReLU epilogue,
+and each with genstats, the fastest of the first 4 plans each, beside torch's eval BatchNorm -> ReLU -> conv. Device µs are CUDA-event times of 20
 back-to-back executes queued behind a sleep (no host gaps), beside torch's unfused sequence measured
 the same way (`cudnn.benchmark=True`): conv; conv -> batch_norm(training) -> relu_; the prologue's
 elementwise + wgrad. Each built graph's results are checked against torch in float32.
 
-    python -m tools.probe_bn_fusions --out probe_bn_fusions.json
+    python -m tools.probe_bn_fusions --out probe_bn_fusions.json [--inference]
 """
 
 from __future__ import annotations
@@ -165,14 +167,89 @@ def torch_times(x, w, a, dy, s, b, stride, pad):
                 dy, a, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], 1, [False, True, False])), 1)}
 
 
+# DenseNet-121's BatchNorm -> ReLU -> conv: (C, K, H=W, R), layers of its four blocks and a transition
+DENSE_LAYERS = [(64, 128, 56, 1), (224, 128, 56, 1), (128, 32, 56, 3), (480, 128, 28, 1), (992, 128, 14, 1),
+                (992, 128, 7, 1), (256, 128, 56, 1), (1024, 512, 14, 1), (128, 32, 7, 3)]
+INFER_N = 32
+
+
+def inference_variant(handle, x, w, s, b, bias, variant, ws):
+    """The fastest of the first 4 plans of one prologue graph (us), its relative error, or why none ran."""
+    pad = w.shape[2] // 2
+    a = torch.relu(x.float() * s.float() + b.float()).half()
+    ref = F.conv2d(a, w, padding=pad)
+    ref = torch.relu(ref.float() + bias.float()).half() if "epi" in variant else ref
+    g = graph(handle, torch.float16)
+    X, W, S, B = tensor(g, "X", x), tensor(g, "W", w), tensor(g, "S", s), tensor(g, "B", b)
+    Y = g.conv_fprop(image=g.relu(input=g.bias(input=g.scale(input=X, scale=S), bias=B)), weight=W,
+                     padding=[pad, pad], stride=[1, 1], dilation=[1, 1], compute_data_type=cudnn.data_type.FLOAT)
+    pack = {X: x, W: w, S: s, B: b}
+    if "epi" in variant:
+        BI = tensor(g, "BI", bias)
+        Y, pack[BI] = g.relu(input=g.bias(input=Y, bias=BI)), bias
+    Y.set_output(True).set_data_type(DT[torch.float16])
+    y = pack[Y] = torch.full_like(ref, float("nan"))
+    if "stats" in variant:
+        for T in g.genstats(input=Y):
+            T.set_output(True).set_data_type(cudnn.data_type.FLOAT)
+            pack[T] = torch.empty(1, w.shape[0], 1, 1, device="cuda")
+    try:
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+    except Exception as err:  # the frontend's own types: record the message
+        return {"ok": False, "error": str(err).splitlines()[0][:200]}
+    best = None
+    for i in range(min(g.get_execution_plan_count(), 4)):
+        try:
+            g.build_plan_at_index(i)
+            us = device_us(lambda: g.execute_plan_at_index(pack, ws, i, handle=handle))
+        except Exception:  # a plan that does not build or run: the next one
+            continue
+        best = (us, i) if best is None or us < best[0] else best
+    if best is None:
+        return {"ok": False, "error": "no plan built and ran"}
+    g.execute_plan_at_index(pack, ws, best[1], handle=handle)
+    return {"ok": True, "us": round(best[0], 1), "y_err": rel(y, ref)}
+
+
+def probe_inference(handle, layer):
+    c, k, hw, r = layer
+    x = nhwc(torch.randn(INFER_N, c, hw, hw, device="cuda", dtype=torch.float16))
+    w = nhwc(torch.randn(k, c, r, r, device="cuda", dtype=torch.float16) / (c * r * r) ** 0.5)
+    s, b = nhwc(torch.rand(1, c, 1, 1, device="cuda") + 0.5).half(), nhwc(torch.randn(1, c, 1, 1, device="cuda") * 0.5).half()
+    bias = nhwc(torch.randn(1, k, 1, 1, device="cuda")).half()
+    ws = torch.empty(1 << 28, device="cuda", dtype=torch.uint8)
+    row = {"layer": list(layer)}
+    for variant in ("pro", "pro_epi", "pro_stats", "pro_epi_stats"):
+        row[variant] = inference_variant(handle, x, w, s, b, bias, variant, ws)
+    bn = torch.nn.BatchNorm2d(c).cuda().half().eval()
+    bn.running_var.uniform_(0.5, 2)
+    bn.running_mean.normal_()
+    with torch.no_grad():
+        for _ in range(3):
+            F.conv2d(torch.relu(bn(x)), w, padding=r // 2)
+        row["torch_bn_relu_conv_us"] = round(device_us(lambda: F.conv2d(torch.relu(bn(x)), w, padding=r // 2)), 1)
+        row["torch_conv_us"] = round(device_us(lambda: F.conv2d(x, w, padding=r // 2)), 1)
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="probe_bn_fusions.json")
+    p.add_argument("--inference", action="store_true", help="DenseNet-121's pre-activation layers instead")
     args = p.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     handle = cudnn.create_handle()
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
     rows = []
+    if args.inference:
+        for layer in DENSE_LAYERS:
+            rows.append(probe_inference(handle, layer))
+            print(json.dumps(rows[-1]), flush=True)
+        harness.write_json(args.out, {"batch": INFER_N, "rows": rows})
+        return 0
     for dtype, sdt in ((torch.float16, torch.float16), (torch.float16, torch.float32), (torch.bfloat16, torch.bfloat16)):
         for layer in LAYERS:
             row = probe_layer(handle, layer, dtype, sdt)

@@ -32,6 +32,7 @@ from gpu_launch.activations import Activation
 
 from ._chain import Chain, Stage
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
+from ._preact import PreActivation, eval_affine, why_not_site
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -51,6 +52,9 @@ class ConversionReport:
     weights: str = "shared"  # or "copied" where BatchNorm was folded into new weight and bias tensors
     chains: list[tuple[str, Chain]] = field(default_factory=list)  # training: (where, conv-BatchNorm run)
     unchained: list[tuple[str, str]] = field(default_factory=list)  # training: (conv, why its BatchNorm stays)
+    # eval: (conv, site) where BatchNorm -> ReLU -> conv runs as one graph; (conv, why not) where it cannot
+    prologues: list[tuple[str, PreActivation]] = field(default_factory=list)
+    no_prologue: list[tuple[str, str]] = field(default_factory=list)
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
     train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
@@ -68,6 +72,10 @@ class ConversionReport:
         if self.unchained:
             lines.append(f"{len(self.unchained)} conv -> BatchNorm pairs left unfused in training:")
             lines += [f"  {where}: {why}" for where, why in self.unchained]
+        if self.prologues:
+            lines.append(f"{len(self.prologues)} BatchNorm -> ReLU -> conv, each one graph in eval (the conv's prologue):")
+            lines += [f"  {where}: {site.status()}" for where, site in self.prologues]
+        lines += [f"BatchNorm -> ReLU -> {where} stays three kernels in eval: {why}" for where, why in self.no_prologue]
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -109,6 +117,8 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
             conv.torch_when_training = True
     if not inference and fuse_batchnorm:
         _chain_batchnorm(model, report)
+    if fuse_batchnorm:
+        _pre_activations(model, report)
     model.cudnn_graphs_report = report
     return model
 
@@ -261,13 +271,8 @@ def _fold(conv: nn.Module, bn: nn.Module, report: ConversionReport, bn_name: str
         return False
     if bn.num_features != conv.out_channels:
         return False
+    scale, shift = eval_affine(bn, torch.float64)
     with torch.no_grad():
-        scale = bn.running_var.double().add(bn.eps).rsqrt()
-        if bn.weight is not None:
-            scale = scale * bn.weight.double()
-        shift = -bn.running_mean.double() * scale
-        if bn.bias is not None:
-            shift = shift + bn.bias.double()
         weight = conv.weight.double() * scale.view(-1, *([1] * (conv.weight.dim() - 1)))
         bias = shift if conv.bias is None else conv.bias.double() * scale + shift
         dtype = conv.weight.dtype
@@ -417,3 +422,82 @@ def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = step(x) if isinstance(step, Chain) else self._modules[step](x)
     return x
 
+
+
+# -- eval: BatchNorm -> ReLU -> conv (pre-activation networks) as the conv's prologue ---------------------
+
+def _pre_activations(model: nn.Module, report: ConversionReport) -> None:
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        if _dense_layer(module):
+            _pre_activate_dense_layer(module, prefix, report)
+        elif type(module).forward is nn.Sequential.forward and "forward" not in vars(module):
+            _pre_activate_sequential(module, prefix, report)
+
+
+def _site(bn: nn.Module, relu: nn.Module, conv_name: str, conv: nn.Module,
+          report: ConversionReport) -> PreActivation | None:
+    why = why_not_site(bn, relu, conv)
+    if why is not None:
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and isinstance(conv, nn.modules.conv._ConvNd):
+            report.no_prologue.append((conv_name, why))
+        return None
+    site = PreActivation(bn, relu, conv)
+    report.prologues.append((conv_name, site))
+    return site
+
+
+def _pre_activate_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
+    """BatchNorm2d, ReLU, Conv2d slots in a row (torchvision's DenseNet transition, pre-activation blocks)."""
+    names, steps, i, found = list(seq._modules), [], 0, False
+    while i < len(names):
+        if i + 2 < len(names) and type(seq._modules[names[i + 1]]) is nn.ReLU:
+            bn, relu, conv = (seq._modules[n] for n in names[i:i + 3])
+            site = _site(bn, relu, prefix + names[i + 2], conv, report)
+            if site is not None:
+                steps.append(site)
+                i, found = i + 3, True
+                continue
+        steps.append(names[i])
+        i += 1
+    if found:
+        seq._cudnn_graphs_steps = tuple(steps)
+        seq.forward = _Forward(_pre_activated_sequential_forward, seq)
+
+
+def _pre_activated_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
+    for step in self._cudnn_graphs_steps:
+        x = step(x) if isinstance(step, PreActivation) else self._modules[step](x)
+    return x
+
+
+_DENSE_PARTS = ("norm1", "relu1", "conv1", "norm2", "relu2", "conv2", "drop_rate", "memory_efficient")
+
+
+def _dense_layer(module: nn.Module) -> bool:
+    """torchvision's DenseNet layer, recognised by its parts (no torchvision import)."""
+    return type(module).__name__ == "_DenseLayer" and all(hasattr(module, p) for p in _DENSE_PARTS) \
+        and "forward" not in vars(module)
+
+
+def _pre_activate_dense_layer(layer: nn.Module, prefix: str, report: ConversionReport) -> None:
+    sites = [_site(getattr(layer, f"norm{i}"), getattr(layer, f"relu{i}"), f"{prefix}conv{i}",
+                   getattr(layer, f"conv{i}"), report) for i in (1, 2)]
+    if all(s is not None for s in sites):
+        layer._cudnn_graphs_sites = tuple(sites)
+        layer.forward = _Forward(_pre_activated_dense_forward, layer)
+    else:  # its own forward calls every module: a site made for one half would never be called
+        report.prologues = [(w, s) for w, s in report.prologues if s not in sites]
+
+
+def _pre_activated_dense_forward(self, input):
+    """torchvision's _DenseLayer.forward, its two BatchNorm -> ReLU -> conv halves PreActivation sites (each
+    runs its modules where it cannot fuse); memory-efficient checkpointing where a gradient is wanted."""
+    prev = [input] if isinstance(input, torch.Tensor) else input
+    if self.memory_efficient and torch.is_grad_enabled() and any(t.requires_grad for t in prev):
+        return type(self).forward(self, input)
+    first, second = self._cudnn_graphs_sites
+    out = second(first(torch.cat(prev, 1)))
+    if self.drop_rate > 0:
+        out = torch.nn.functional.dropout(out, p=self.drop_rate, training=self.training)
+    return out
