@@ -58,6 +58,7 @@ def lib() -> Any:
         "cuModuleLoadData": [ctypes.POINTER(_ptr), ctypes.c_char_p],
         "cuModuleGetFunction": [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p],
         "cuMemsetD8Async": [_u64, ctypes.c_ubyte, ctypes.c_size_t, _ptr],
+        "cuThreadExchangeStreamCaptureMode": [ctypes.POINTER(ctypes.c_int)],
     }
     for name, argtypes in signatures.items():
         fn = getattr(cuda, name)
@@ -135,6 +136,13 @@ def stream_wait(stream: int, *, after: int, event: int) -> None:
 
 def begin_capture(stream: int) -> None:
     _check(lib().cuStreamBeginCapture_v2(stream, CAPTURE_MODE_RELAXED), "cuStreamBeginCapture")
+
+
+def relax_capture_mode() -> None:
+    """This thread's capture mode relaxed: it may cudaMalloc while another thread captures a CUDA graph
+    in global mode (which would refuse the call and end that capture)."""
+    mode = ctypes.c_int(CAPTURE_MODE_RELAXED)
+    _check(lib().cuThreadExchangeStreamCaptureMode(ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")
 
 
 def end_capture(stream: int) -> int:

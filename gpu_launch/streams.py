@@ -46,6 +46,36 @@ def allocate(nbytes: int, framework: str, device: int) -> tuple[Any, int]:
     return owner, owner.ptr
 
 
+def allocate_kept(nbytes: int, framework: str, device: int, stream: int) -> tuple[Any, int]:
+    """`allocate` for memory kept past this call for work on `stream` (a plan's per-stream workspace, a
+    stream's shared scratch). torch's allocator gives a private pool what a thread asks for while it
+    captures a CUDA graph or, in torch.compile's cudagraph trees, warms one up (torch 2.11 routes by
+    thread), and a block kept there is what those trees refuse ("tensors in the cudagraph pool not
+    tracked as outputs"). So torch memory is taken by a thread of ours, in relaxed capture mode (the
+    allocator may cudaMalloc during a capture), and marked used on `stream`: once freed, it waits for
+    that stream's work before it is handed out again."""
+    if framework != "torch" or nbytes == 0:
+        return allocate(nbytes, framework, device)
+    torch = sys.modules["torch"]
+    owner = _allocating_thread().submit(_torch_bytes, nbytes, device).result()
+    owner.record_stream(torch.cuda.default_stream(device) if stream == 0
+                        else torch.cuda.ExternalStream(stream, device=device))
+    return owner, owner.data_ptr()
+
+
+def _torch_bytes(nbytes: int, device: int) -> Any:
+    torch = sys.modules["torch"]
+    return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+
+
+@functools.lru_cache(maxsize=1)
+def _allocating_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudnn_graphs-kept",
+                              initializer=driver.relax_capture_mode)
+
+
 _scratch = threading.local()  # .blocks: (framework, device, stream) -> (owner, bytes, pointer)
 
 
@@ -63,7 +93,7 @@ def stream_scratch(nbytes: int, framework: str, device: int, stream: int) -> int
     held = blocks.get(key)
     if held is None or held[1] < nbytes:
         nbytes = max(nbytes, held[1] * 2 if held else 0)
-        owner, ptr = allocate(nbytes, framework, device)
+        owner, ptr = allocate_kept(nbytes, framework, device, stream)
         held = blocks[key] = (owner, nbytes, ptr)
     return held[2]
 

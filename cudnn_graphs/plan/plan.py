@@ -12,7 +12,7 @@ import numpy as np
 
 from gpu_launch import buffers as _buffers
 from gpu_launch.memo import CallMemo
-from gpu_launch.streams import allocate, capture_probe, stream_pointer
+from gpu_launch.streams import allocate_kept, capture_probe, stream_pointer
 
 from ..cache.records import UNPROBED
 from ..errors import BufferMismatchError, GraphCaptureError
@@ -295,7 +295,7 @@ class Plan:
         key = (stream_ptr, framework)
         if key not in self._scratch:
             sizes = {"workspace": self.workspace_size, **{r: _nbytes(d) for r, d in self.intermediates.items()}}
-            owned = {name: allocate(n, framework, self.device) for name, n in sizes.items()}
+            owned = {name: allocate_kept(n, framework, self.device, stream_ptr) for name, n in sizes.items()}
             self._scratch[key] = ([o for o, _ in owned.values()], {name: p for name, (_, p) in owned.items()})
         return self._scratch[key]
 

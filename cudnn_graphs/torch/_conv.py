@@ -797,6 +797,9 @@ def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, 
 
 # -- modules -------------------------------------------------------------------------------------------
 
+_TORCH_CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
 class _ConvMixin:
     """What Conv1d/2d/3d add to torch's modules: the forward through our ops, an optional fused
     activation and residual. Parameters, buffers, initialisation and state_dict are torch's own."""
@@ -826,7 +829,8 @@ class _ConvMixin:
 
     def _torch_forward(self, input, weight, bias, residual):
         """What torch's module computes (its padding modes included), then our residual and activation."""
-        y = super()._conv_forward(input, weight, bias)
+        # torch's class named, not super(): dynamo breaks the graph on a zero-argument super() in a mixin
+        y = _TORCH_CONVS[self._nd]._conv_forward(self, input, weight, bias)
         if residual is not None:
             y = y + residual
         return y if self.activation.is_identity else torch_activation(self.activation.name, self.activation.param)(y)
