@@ -83,13 +83,14 @@ TILE_KERNELS = ("gs_tile_sort", "gs_tile_gather")  # <T, ND, MODE>: the shared-m
 TILE_THREADS = {BILINEAR: 1024, NEAREST: 1024, BICUBIC: 512}  # GS_TILE_THREADS in grid_sample_tile.cu
 TILE_CHUNK = 16  # bytes of one point's / pixel's channels in the tile kernels' shared memory
 CELL_KERNELS = ("gs_cell_keys", "gs_cell_gather")  # the deterministic backward's one-key-per-point form
+POINT_KERNELS = ("gs_forward_cf",)  # <T, A, ND, MODE>, bilinear / nearest: ATen's loop order (_point_kernel)
 COUNT_KERNELS = ("gs_count", "gs_gather_exact")  # its counting form (with gs_place<A, ..>, gs_absmax<T>)
 SCAN_KERNELS = ("gs_scan_tiles", "gs_scan_sums", "gs_scan_apply")  # its offsets, in launch order
 SCAN_THREADS, SCAN_TILE = 256, 256 * 16  # GS_SCAN_THREADS, GS_SCAN_TILE in grid_sample_counting.cu
 # The program (kernel source file) of each kernel; each includes grid_sample_common.cuh. grid_sample.cu holds
 # them all in one translation unit for tools; plans never compile it.
 PROGRAMS = {
-    "grid_sample_forward.cu": ("gs_forward", "gs_forward_coords", "gs_forward_plane"),
+    "grid_sample_forward.cu": ("gs_forward", "gs_forward_coords", "gs_forward_plane", *POINT_KERNELS),
     "grid_sample_backward.cu": ("gs_backward",),
     "grid_sample_tile.cu": (*TILE_KERNELS, "gs_gg_sum"),
     "grid_sample_counting.cu": (*COUNT_KERNELS, "gs_place", *SCAN_KERNELS),
@@ -121,12 +122,16 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # fwd_plane*: channels-first forwards that may stage input planes in shared memory (gs_forward_plane, which the
 # device picks over the gather kernel on scattered grids; _plane_shape says where, docs/kernels.md why);
 # fwd_plane_threads / fwd_plane_points reach the kernel as GS_PLANE_THREADS / GS_PLANE_POINTS.
+# fwd_cf*: channels-first forwards of at least fwd_cf_min_points points in fwd_cf_modes take gs_forward_cf (one
+# thread per point over every channel, ATen's loop order, 32-bit offsets) instead of gs_forward's lanes;
+# fwd_cf_unroll reaches it as GS_CF_UNROLL (channels an iteration issues where a warp's points are close).
 TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
           "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": (),
           "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5),
           "fwd_plane": True, "fwd_plane_bytes": 48 * 1024, "fwd_plane_fill": 4, "fwd_plane_min_points": 0.25,
           "fwd_plane_min_values": 1 << 23, "fwd_plane_modes": ("bilinear",), "fwd_plane_threads": 256,
-          "fwd_plane_points": 4}
+          "fwd_plane_points": 4, "fwd_cf": True, "fwd_cf_min_points": 1 << 15,
+          "fwd_cf_modes": ("bilinear", "nearest"), "fwd_cf_unroll": 4}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -160,7 +165,7 @@ def name_expressions(dtype: str | None = None) -> list[str]:
         for nd, mode in VARIANTS:
             names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in KERNELS]
             if mode != BICUBIC:
-                names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in CELL_KERNELS]
+                names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in CELL_KERNELS + POINT_KERNELS]
             if dt != "float64":
                 names += [f"{k}<{t}, {a}, {nd}, {mode}>" for k in COUNT_KERNELS] + [f"gs_place<{a}, {nd}, {mode}>"]
                 names += [f"{k}<{t}, {nd}, {mode}>" for k in TILE_KERNELS]
@@ -467,7 +472,7 @@ class _Builder:
 def _options() -> tuple[str, ...]:
     """NVRTC options of every program: the forward's plane knobs as macros, then TUNING's own."""
     plane = (f"-DGS_PLANE_THREADS={int(TUNING['fwd_plane_threads'])}",
-             f"-DGS_PLANE_POINTS={int(TUNING['fwd_plane_points'])}")
+             f"-DGS_PLANE_POINTS={int(TUNING['fwd_plane_points'])}", f"-DGS_CF_UNROLL={int(TUNING['fwd_cf_unroll'])}")
     return OPTIONS + plane + tuple(TUNING.get("options", ()))
 
 
@@ -660,10 +665,14 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
             b.launch(f"gs_forward_coords{variant}", (_blocks(geo.N * geo.points),), (BLOCK,), (io[1], coords, g, scattered))
             b.launch(f"gs_forward_plane{variant}", (ps.blocks,), (int(TUNING["fwd_plane_threads"]),),
                      (io[0], coords, io[2], g, np.int32(ps.cpb), np.int32(ps.splits), scattered), shared=ps.shared)
-        lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
-        g = _geo_struct(geo, **strides, lanes_log2=lanes_log2, flags=flags)
-        threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))
-        b.launch(f"gs_forward{variant}", (_blocks(threads),), (BLOCK,), io + (g, scattered))
+        if not channels_last and ps is None and _point_kernel(geo, in_strides):
+            g = _geo_struct(geo, **strides, flags=flags)
+            b.launch(f"gs_forward_cf{variant}", (_blocks(geo.N * geo.points),), (BLOCK,), io + (g, scattered))
+        else:
+            lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
+            g = _geo_struct(geo, **strides, lanes_log2=lanes_log2, flags=flags)
+            threads = geo.N * geo.points * min(1 << lanes_log2, -(-geo.C // VEC))
+            b.launch(f"gs_forward{variant}", (_blocks(threads),), (BLOCK,), io + (g, scattered))
     return b.plan(geo, FORWARD_INPUTS, {"output": out})
 
 
@@ -700,6 +709,17 @@ def _plane_shape(geo: Geometry, in_strides, in_res: int, device: int) -> _PlaneS
     values = 16 // item
     vec = geo.pixels % values == 0 and _dense_aligned(in_res, in_strides, _in_shape(geo), values)
     return _PlaneShape(cpb, splits, groups * splits, cpb * plane, vec)
+
+
+def _point_kernel(geo: Geometry, in_strides) -> bool:
+    """Whether a channels-first forward takes gs_forward_cf: TUNING's modes and enough points that one thread
+    each fills the GPU (fewer, and lanes over channel groups are needed), with a batch item's tap offsets, the
+    channel stride and the point count all within 32 bits."""
+    if not TUNING["fwd_cf"] or MODES[geo.mode] not in TUNING["fwd_cf_modes"]:
+        return False
+    spatial = [(size - 1) * stride for size, stride in zip(_in_shape(geo)[2:], in_strides[2:])]
+    return (int(TUNING["fwd_cf_min_points"]) <= geo.N * geo.points <= INT_MAX and sum(spatial) <= INT_MAX
+            and in_strides[1] <= INT_MAX)
 
 
 def _forward_lanes_log2(geo: Geometry, *, channels_last: bool) -> int:

@@ -210,6 +210,7 @@ def test_forward_lanes_looping_over_channel_groups(monkeypatch, lanes_log2):
     monkeypatch.setitem(gs.TUNING, "fwd_groups_per_lane", 1 << 20)
     monkeypatch.setitem(gs.TUNING, "fwd_lanes_log2", (lanes_log2, lanes_log2))
     monkeypatch.setitem(gs.TUNING, "fwd_plane", False)  # the gather kernel alone (planes: the test below)
+    monkeypatch.setitem(gs.TUNING, "fwd_cf", False)  # (ATen's loop order: test_forward_point_kernel)
     torch.manual_seed(4)
     failures = []
     for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (3, ((4, 5, 6), (3, 4, 5)))):
@@ -252,6 +253,49 @@ def test_forward_planes_in_shared_memory(monkeypatch, spread):
         if not err <= TOL[dtype]:
             failures.append(dict(dtype=dtype, strided=err))
     _fail_if_any(f"forward_planes[{spread}]", failures)
+
+
+@pytest.mark.parametrize("spread", [0, 1 << 40], ids=["scattered", "smooth"])
+def test_forward_point_kernel(monkeypatch, spread):
+    """Channels-first forwards through gs_forward_cf (ATen's loop order): a channel an iteration
+    (GS_CF_SPREAD=0: every warp counts as scattered) and GS_CF_UNROLL (no warp does), channel counts not a
+    multiple of it, every padding, both modes, four dtypes, a strided input, against float64; and at the
+    benchmark's sizes, with TUNING as shipped, outputs bit-identical to torch's kernel."""
+    monkeypatch.setitem(gs.TUNING, "options", (f"-DGS_CF_SPREAD={spread}",))
+    monkeypatch.setitem(gs.TUNING, "fwd_cf_min_points", 1)  # small shapes too
+    monkeypatch.setitem(gs.TUNING, "fwd_plane", False)
+    torch.manual_seed(11)
+    failures = []
+    for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (2, ((16, 16), (40, 40))), (3, ((4, 5, 6), (3, 4, 5)))):
+        for dtype in ("float32", "float16", "bfloat16", "float64"):
+            for mode in ("bilinear", "nearest"):
+                for pad in PADS:
+                    for c in (1, 7):
+                        f = run_case(nd, mode, pad, pad == "border", dtype, "contiguous", 3, c, in_sp, out_sp,
+                                     algorithms=())
+                        if f:
+                            failures.append(f)
+    base = rand((2, 10, 13, 34), "float32")
+    inp, grid = base[:, 1:9, ::2, ::2], make_grid(2, (20, 21), (7, 17), False, "float32")
+    ref = oracle(inp, grid, torch.zeros((2, 8, 20, 21), device="cuda", dtype=torch.float64), "bilinear", "zeros",
+                 False)[0]
+    if not rel(gs.grid_sample(inp, grid), ref) <= TOL["float32"]:
+        failures.append(dict(strided=rel(gs.grid_sample(inp, grid), ref)))
+    monkeypatch.setitem(gs.TUNING, "fwd_cf_min_points", 1 << 15)  # as shipped: the sizes take it by themselves
+    monkeypatch.setitem(gs.TUNING, "fwd_plane", True)
+    for dtype, shape, out_sp in ((torch.float16, (32, 32, 64, 64), (64, 64)), (torch.float32, (2, 16, 32, 32, 32), (32,) * 3)):
+        x = torch.randn(shape, device="cuda", dtype=dtype)
+        for smooth in (False, True):
+            g = torch.rand(shape[0], *out_sp, len(out_sp), device="cuda") * 2.2 - 1.1
+            if smooth:
+                g = torch.stack(torch.meshgrid(*[torch.linspace(-0.9, 0.8, n, device="cuda") for n in out_sp],
+                                               indexing="ij")[::-1], -1).expand_as(g)
+            g = g.to(dtype).contiguous()
+            for mode in ("bilinear", "nearest"):
+                want = torch.nn.functional.grid_sample(x, g, mode=mode, align_corners=False)
+                if not torch.equal(gs.grid_sample(x, g, mode=mode), want):
+                    failures.append(dict(shape=shape, smooth=smooth, mode=mode, bitwise="differs from torch"))
+    _fail_if_any(f"forward_point_kernel[{spread}]", failures)
 
 
 @pytest.mark.parametrize("go_transpose, input_transpose", [(True, True), (False, False)])

@@ -533,25 +533,28 @@ def test_forward_lanes_per_point(in_shape, out_sp, channels_last, lanes_log2):
     assert gs._forward_lanes_log2(geo, channels_last=channels_last) == lanes_log2
 
 
-def test_plane_knobs_reach_the_kernel_as_macros(monkeypatch):
+def test_forward_knobs_reach_the_kernels_as_macros(monkeypatch):
     src = (Path(gs.__file__).parent / "grid_sample_forward.cu").read_text()
     assert f"#define GS_PLANE_THREADS {gs.TUNING['fwd_plane_threads']}\n" in src  # the source's default, the same
     assert f"#define GS_PLANE_POINTS {gs.TUNING['fwd_plane_points']}\n" in src
+    assert f"#define GS_CF_UNROLL {gs.TUNING['fwd_cf_unroll']}\n" in src
     monkeypatch.setitem(gs.TUNING, "fwd_plane_threads", 256)
+    monkeypatch.setitem(gs.TUNING, "fwd_cf_unroll", 2)
     monkeypatch.setitem(gs.TUNING, "options", ("-DX=1",))
-    assert gs._options()[-3:] == ("-DGS_PLANE_THREADS=256", f"-DGS_PLANE_POINTS={gs.TUNING['fwd_plane_points']}", "-DX=1")
+    assert gs._options()[-4:] == ("-DGS_PLANE_THREADS=256", f"-DGS_PLANE_POINTS={gs.TUNING['fwd_plane_points']}",
+                                  "-DGS_CF_UNROLL=2", "-DX=1")
 
 
 def _forward_launch(in_shape, out_sp, *, strides=None, dtype="float32", residue=0):
-    """The forward plan's last launch of the plane kernel (checked: the ops around it), else its gather launch."""
+    """The forward plan's launch of the plane kernel (checked: the ops around it), else its one launch."""
     strides = strides or gs._contiguous_strides(in_shape)
     gshape = (in_shape[0], *out_sp, len(out_sp))
     plan = gs._forward_plan(0, (in_shape, strides, dtype, residue), (gshape, gs._contiguous_strides(gshape), dtype, 0),
                             "bilinear", "zeros", False, gs._tuning_key())
     _check_plan(plan, gs.FORWARD_INPUTS + ("output",))
-    if len(plan.ops) == 1:  # the gather kernel alone, told nothing
+    if len(plan.ops) == 1:  # the gather kernel or ATen's loop order alone, told nothing
         (op,) = plan.ops
-        assert op[5].startswith("gs_forward<") and op[4][-1] is None
+        assert op[5].split("<")[0] in ("gs_forward", "gs_forward_cf") and op[4][-1] is None
         return op
     # the count zeroed, the coordinates' pass counting into it, then both kernels reading it
     zero, coords, plane, gather = plan.ops
@@ -580,13 +583,38 @@ def test_channels_first_forward_stages_planes_in_shared_memory(cpu_plans, monkey
     assert int(args[3]["flags"][0]) & gs.F_PLANE_VEC == (gs.F_PLANE_VEC if in_shape[-1] % 4 == 0 else 0)
 
 
-@pytest.mark.parametrize("in_shape, out_sp, why", [
-    ((8, 3, 256, 256), (224, 224), "a 256 KiB plane is above the shared memory a block may have"),
-    ((2, 8, 64, 64), (16, 16), "256 points read less than a 4096-pixel plane"),
-    ((32, 32, 64, 64), (64, 64), "2^22 output values: the pass and the launch that exits cost more"),
+@pytest.mark.parametrize("in_shape, out_sp, kernel, why", [
+    ((8, 3, 256, 256), (224, 224), "gs_forward_cf", "a 256 KiB plane is above the shared memory a block may have"),
+    ((2, 8, 64, 64), (16, 16), "gs_forward", "256 points read less than a 4096-pixel plane; too few for a thread each"),
+    ((32, 32, 64, 64), (64, 64), "gs_forward_cf", "2^22 output values: the pass and the launch that exits cost more"),
+    ((2, 16, 32, 32, 32), (32, 32, 32), "gs_forward_cf", "2^20 output values"),
 ])
-def test_channels_first_forward_gathers_elsewhere(cpu_plans, in_shape, out_sp, why):
-    assert _forward_launch(in_shape, out_sp)[5].startswith("gs_forward<"), why
+def test_channels_first_forward_without_planes(cpu_plans, in_shape, out_sp, kernel, why):
+    op = _forward_launch(in_shape, out_sp)
+    assert op[5].split("<")[0] == kernel, why
+    if kernel == "gs_forward_cf":  # a thread a point
+        points = in_shape[0] * math.prod(out_sp)
+        assert op[2] == (-(-points // gs.BLOCK),) and op[3] == (gs.BLOCK,)
+
+
+def test_point_kernel_choice(cpu_plans, monkeypatch):
+    """gs_forward_cf: channels-first bilinear / nearest with a thread's worth of points each, 32-bit offsets."""
+    def kernel(in_shape, out_sp, mode="bilinear", strides=None):
+        gshape = (in_shape[0], *out_sp, len(out_sp))
+        plan = gs._forward_plan(0, (in_shape, strides or gs._contiguous_strides(in_shape), "float32", 0),
+                                (gshape, gs._contiguous_strides(gshape), "float32", 0), mode, "zeros", False,
+                                gs._tuning_key())
+        return plan.ops[-1][5].split("<")[0]
+
+    shape = (32, 32, 64, 64)
+    assert [kernel(shape, (64, 64), m) for m in gs.MODES] == ["gs_forward_cf", "gs_forward_cf", "gs_forward"]
+    assert kernel(shape, (64, 64), strides=gs._cl_strides(shape)) == "gs_forward"  # channels-last: lanes
+    assert kernel(shape, (32, 31)) == "gs_forward"  # 31744 points: lanes fill the GPU
+    huge = (1, 1, 1 << 16, 1 << 16)  # a plane beyond 32-bit tap offsets
+    assert kernel(huge, (256, 256), strides=(1 << 32, 1 << 32, 1 << 16, 1)) == "gs_forward"
+    assert kernel((1, 3, 64, 64), (256, 256), strides=(1 << 32, 1 << 31, 64, 1)) == "gs_forward"  # channel stride
+    monkeypatch.setitem(gs.TUNING, "fwd_cf", False)
+    assert kernel(shape, (64, 64)) == "gs_forward"
 
 
 def test_plane_kernel_modes(cpu_plans, monkeypatch):

@@ -49,6 +49,11 @@ SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
     **{f"fill_{n}": {"fwd_plane_fill": n} for n in (1, 2, 8, 16)},
     **{f"threads_{n}": {"fwd_plane_threads": n} for n in (256, 1024)},
     **{f"points_{n}": {"fwd_plane_points": n} for n in (1, 2, 8)},
+    # channels-first with many points: gs_forward_cf (ATen's loop order) against gs_forward's lanes; channels an
+    # iteration issues on smooth warps (u1: always one; spread0: every warp counts as scattered)
+    "no_cf": {"fwd_cf": False},
+    **{f"cf_u{n}": {"fwd_cf_unroll": n} for n in (1, 2, 8)},
+    "cf_spread0": {"options": ("-DGS_CF_SPREAD=0",)},
     # registers as the compiler likes (1), or capped for n blocks of 256 per SM, every variant alike
     **{f"min_blocks_{n}": {"options": (f"-DGS_FWD_MIN_BLOCKS={n}",)} for n in (1, 2, 3, 4, 5)},
 }
