@@ -119,6 +119,25 @@ def test_amp_float32_module():
     assert rel_err(y.double(), ref) <= 2 * rel_err(theirs.double(), ref) + SLACK
 
 
+def test_first_call_inside_a_capture_runs_the_modules():
+    """Coefficients made inside a capture would hold values only once the graph replays: the first call
+    there runs the modules (captured as they are); eager calls after it run the graph path."""
+    site = _site(32, 16, 3)
+    x = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            out = site(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    ref = _reference(site, x)
+    assert rel_err(out.double(), ref) < SLACK
+    with torch.no_grad():
+        eager = site(x)
+    assert site.status() == "fused" and rel_err(eager.double(), ref) < SLACK
+
+
 @pytest.mark.parametrize("why", ["float32", "contiguous", "grad", "train", "channels"])
 def test_declined_calls_run_the_modules(why):
     c = 20 if why == "channels" else 32  # 20 channels of float16: rows cuDNN's prologue declines

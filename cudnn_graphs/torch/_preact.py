@@ -26,7 +26,7 @@ from torch import nn
 
 from gpu_launch.streams import capture_probe
 
-from ..errors import UnsupportedGraphError
+from ..errors import SpecError, UnsupportedGraphError
 from ..spec import ConvFwdSpec
 from ._conv import planning_session
 
@@ -53,12 +53,12 @@ class PreActivation:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         launcher = self._fused(x)
-        if launcher is None:
+        operands = None if launcher is None else self._operands()
+        if operands is None:
             return self.conv(self.relu(self.bn(x)))
         launcher, y_shape, k = launcher
+        scale, shift, w = operands
         x16 = x if x.dtype == torch.float16 else x.to(torch.float16, memory_format=torch.channels_last)
-        scale, shift = self._coefficients()
-        w = self._weight16()
         y = torch.empty(y_shape, dtype=torch.float16, device=x.device, memory_format=torch.channels_last)
         stats = _scratch(x.get_device(), k)
         ptrs = (x16.data_ptr(), scale.data_ptr(), shift.data_ptr(), w.data_ptr(), y.data_ptr(), stats,
@@ -110,11 +110,13 @@ class PreActivation:
         if why is None:
             conv, device = self.conv, x.get_device()
             session, provisional = planning_session(device)
-            spec = ConvFwdSpec(tuple(x.shape), tuple(conv.weight.shape), padding=_padding(conv),
-                               stride=tuple(conv.stride), dilation=tuple(conv.dilation), dtype="float16",
-                               layout="channels_last", prologue="scale_bias_relu", stats=True)
             try:
+                spec = ConvFwdSpec(tuple(x.shape), tuple(conv.weight.shape), padding=_padding(conv),
+                                   stride=tuple(conv.stride), dilation=tuple(conv.dilation), dtype="float16",
+                                   layout="channels_last", prologue="scale_bias_relu", stats=True)
                 plan = (session.plan(spec).launcher(_ROLES, "torch"), spec.y_shape, spec.w_shape[0])
+            except SpecError as err:  # a geometry the spec refuses (the modules say what torch says)
+                why = f"not a conv this graph takes: {err}"
             except UnsupportedGraphError as err:
                 why = f"cuDNN declined the graph: {err}"
         self._why = why
@@ -125,26 +127,28 @@ class PreActivation:
     def _params(self) -> list:
         return [p for p in (self.bn.weight, self.bn.bias, self.conv.weight) if p is not None]
 
-    def _coefficients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float16 (scale, shift) of the BatchNorm's running statistics, made again when any of them changes
-        (an optimizer step, load_state_dict, a training step's running-statistics update)."""
-        bn = self.bn
+    def _operands(self) -> tuple | None:
+        """(scale16, shift16, weight16): the BatchNorm's running statistics as float16 scale and shift and the
+        conv's float16 weight (a copy under autocast), made again when any of them changes (an optimizer step,
+        load_state_dict, a training step's statistics). None where they are stale inside a CUDA-graph capture:
+        made there, they would hold their values only once the graph replays (the modules run instead). A
+        graph captured through this path keeps the values of its capture, as constants."""
+        bn, w = self.bn, self.conv.weight
         parts = (bn.running_mean, bn.running_var, bn.weight, bn.bias)
         versions = (bn.eps,) + tuple((t.data_ptr(), t._version) for t in parts if t is not None)
+        w_version = () if w.dtype == torch.float16 else (w.data_ptr(), w._version)
+        stale = self._coef[0] != versions or self._w16[0] != w_version
+        if stale and torch.cuda.is_current_stream_capturing():
+            return None
         if self._coef[0] != versions:
             scale, shift = eval_affine(bn, torch.float32)
             self._coef = (versions, (scale.half(), shift.half()))
-        return self._coef[1]
-
-    def _weight16(self) -> torch.Tensor:
-        w = self.conv.weight
-        if w.dtype == torch.float16:
-            return w
-        version = (w.data_ptr(), w._version)
-        if self._w16[0] != version:
+        if not w_version:
+            return (*self._coef[1], w)
+        if self._w16[0] != w_version:
             with torch.no_grad():
-                self._w16 = (version, w.to(torch.float16, memory_format=torch.channels_last))
-        return self._w16[1]
+                self._w16 = (w_version, w.to(torch.float16, memory_format=torch.channels_last))
+        return (*self._coef[1], self._w16[1])
 
 
 def eval_affine(bn: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
