@@ -52,8 +52,9 @@ def allocate_kept(nbytes: int, framework: str, device: int, stream: int) -> tupl
     captures a CUDA graph or, in torch.compile's cudagraph trees, warms one up (torch 2.11 routes by
     thread), and a block kept there is what those trees refuse ("tensors in the cudagraph pool not
     tracked as outputs"). So torch memory is taken by a thread of ours, in relaxed capture mode (the
-    allocator may cudaMalloc during a capture), and marked used on `stream`: once freed, it waits for
-    that stream's work before it is handed out again."""
+    allocator may cudaMalloc during a capture), on a stream of ours that runs nothing (its free blocks
+    are only ever kept ones: no queued work of another stream can still be using one), and marked used on
+    `stream`: once freed, it waits for that stream's work before it is handed out again."""
     if framework != "torch" or nbytes == 0:
         return allocate(nbytes, framework, device)
     torch = sys.modules["torch"]
@@ -65,7 +66,14 @@ def allocate_kept(nbytes: int, framework: str, device: int, stream: int) -> tupl
 
 def _torch_bytes(nbytes: int, device: int) -> Any:
     torch = sys.modules["torch"]
-    return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+    side = _kept_streams.get(device)
+    if side is None:
+        side = _kept_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):  # not the legacy default stream, whose freed blocks may still be in use there
+        return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+
+
+_kept_streams: dict[int, Any] = {}  # device -> the stream kept blocks are allocated on (only the worker uses it)
 
 
 @functools.lru_cache(maxsize=1)
