@@ -18,6 +18,9 @@ ResNet blocks, is folded into the conv's weight and bias (new tensors: the repor
 a following activation becomes the conv's fused epilogue, and in torchvision's BasicBlock and
 Bottleneck the residual add and ReLU fuse into the last conv. What cannot be converted (transposed
 or lazy convs, subclasses with their own forward) stays torch and is listed with the reason.
+Both modes: a BatchNorm2d -> ReLU in front of a conv (DenseNet's layers and transitions, such
+slots in an nn.Sequential) runs in eval, with no gradient wanted, as one cuDNN graph with the
+BatchNorm and ReLU as the conv's prologue (`_preact.py`); its modules stay where they were.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
             train_convs: str = "torch") -> nn.Module:
     """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`.
 
-    `fuse_batchnorm` (training): conv -> BatchNorm -> ReLU runs become one fused node each.
+    `fuse_batchnorm`: conv -> BatchNorm -> ReLU runs become one fused node each in training, and
+    BatchNorm -> ReLU -> conv one graph in eval (pre-activation networks).
     `train_convs`: what a conv outside such a run does where a gradient is wanted. "torch" (default):
     torch's own convolution, whose C++ autograd node costs a host-bound step less than ours; "cudnn_graphs":
     this library's plans, which under `cudnn.benchmark` are autotuned once per machine and read from the
