@@ -138,18 +138,7 @@ class Chain:
         return (last.act or torch.relu)(x) if self.final_relu else x
 
     def _hooked(self) -> bool:
-        """Whether a hook watches a module of the run (the fused node would pass it by): then the modules
-        compute. Read per call, as hooks come and go; global module hooks count too."""
-        g = nn.modules.module
-        if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks \
-                or g._global_backward_pre_hooks:
-            return True
-        for st in self.stages:
-            for m in (st.conv, st.bn, st.act):
-                if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                                      or m._backward_pre_hooks):
-                    return True
-        return False
+        return hooked([m for st in self.stages for m in (st.conv, st.bn, st.act) if m is not None])
 
     def status(self) -> str:
         """"fused", "not run yet", or why the last new geometry runs unfused."""
@@ -237,6 +226,17 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
     if any(not st.relu for st in chain.stages[:-1]):
         return "a stage before the last has no ReLU (cuDNN's prologue is relu(x * scale + shift) only)"
     return None
+
+
+def hooked(modules) -> bool:
+    """Whether a hook watches one of `modules` (a fused node would pass it by): then the modules compute.
+    Read per call, as hooks come and go; global module hooks count too."""
+    g = nn.modules.module
+    if g._global_forward_hooks or g._global_forward_pre_hooks or g._global_backward_hooks \
+            or g._global_backward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in modules)
 
 
 def _ptr_or_0(t: torch.Tensor | None) -> int:

@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpu_launch.streams import capture_probe
+from gpu_launch.streams import allocate_kept, capture_probe
 
 from ..errors import SpecError, UnsupportedGraphError
 from ..spec import ConvFwdSpec
+from ._chain import _padding, _up, hooked
 from ._conv import planning_session
 
 log = logging.getLogger("cudnn_graphs")
 
 _ROLES = ("x", "scale", "shift", "w", "y", "sum", "sq_sum")
-_ALIGN = 256
-_SCRATCH: dict[tuple[int, int], torch.Tensor] = {}  # (device, out channels) -> the unread statistics
-_scratch_lock = threading.Lock()
+_SCRATCH: dict[tuple[int, int], tuple] = {}  # (device, out channels) -> (owner, address): unread statistics
 
 
 class PreActivation:
@@ -60,11 +58,12 @@ class PreActivation:
         scale, shift, w = operands
         x16 = x if x.dtype == torch.float16 else x.to(torch.float16, memory_format=torch.channels_last)
         y = torch.empty(y_shape, dtype=torch.float16, device=x.device, memory_format=torch.channels_last)
-        stats = _scratch(x.get_device(), k)
+        device = x.get_device()
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        stats = _scratch(device, k, stream)
         ptrs = (x16.data_ptr(), scale.data_ptr(), shift.data_ptr(), w.data_ptr(), y.data_ptr(), stats,
                 stats + _up(4 * k))
-        device = x.get_device()
-        launcher.launch(ptrs, torch._C._cuda_getCurrentRawStream(device), capture_probe("torch", None))
+        launcher.launch(ptrs, stream, capture_probe("torch", None))
         return y
 
     def status(self) -> str:
@@ -87,7 +86,7 @@ class PreActivation:
     def _fused(self, x: torch.Tensor):
         """(launcher, y shape, channels) where this call runs as one graph, else None."""
         bn, conv = self.bn, self.conv
-        if bn.training or not x.is_cuda or x.dim() != 4 or _hooked((bn, self.relu, conv)) \
+        if bn.training or not x.is_cuda or x.dim() != 4 or hooked((bn, self.relu, conv)) \
                 or torch.compiler.is_compiling() or not torch._C._get_cudnn_enabled() \
                 or torch._C._are_functorch_transforms_active():
             return None
@@ -203,29 +202,10 @@ def why_not_site(bn: nn.Module, relu: nn.Module, conv: nn.Module) -> str | None:
     return None
 
 
-def _hooked(modules) -> bool:
-    """Whether a hook watches one of the modules (the graph would pass it by); global module hooks too."""
-    g = nn.modules.module
-    if g._global_forward_hooks or g._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-def _padding(conv: nn.Conv2d) -> Any:
-    return conv.padding if isinstance(conv.padding, str) else tuple(conv.padding)
-
-
-def _up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _scratch(device: int, k: int) -> int:
+def _scratch(device: int, k: int, stream: int) -> int:
     """Address of the statistics cuDNN's prologue graph must write and nothing reads: one per device and
-    width, shared by every call (concurrent writers race harmlessly)."""
-    buf = _SCRATCH.get((device, k))
-    if buf is None:
-        with _scratch_lock:
-            buf = _SCRATCH.get((device, k))
-            if buf is None:
-                buf = _SCRATCH[(device, k)] = torch.empty(2 * _up(4 * k), dtype=torch.uint8, device=f"cuda:{device}")
-    return buf.data_ptr()
+    width, kept for good, shared by every call (concurrent writers race harmlessly)."""
+    held = _SCRATCH.get((device, k))
+    if held is None:  # a race makes two and keeps one: harmless
+        held = _SCRATCH.setdefault((device, k), allocate_kept(2 * _up(4 * k), "torch", device, stream))
+    return held[1]
