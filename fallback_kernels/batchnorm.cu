@@ -76,7 +76,8 @@ __device__ __forceinline__ void store(T* __restrict__ p, long long i, const floa
     *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
 }
 
-// residual: 0 none, 1 + r, 2 + r*scale2 + shift2 (a downsample branch's own BatchNorm).
+// residual: 0 none, 1 + r, 2 + r*scale2 + shift2 (a downsample branch's own BatchNorm). scale == nullptr:
+// y as it is (out = y + r: the two input gradients of a block with a downsample branch).
 template <typename T, int VEC>
 __global__ void bn_apply(const T* __restrict__ y, const T* __restrict__ scale, const T* __restrict__ shift,
                          const T* __restrict__ r, const T* __restrict__ scale2, const T* __restrict__ shift2,
@@ -88,10 +89,12 @@ __global__ void bn_apply(const T* __restrict__ y, const T* __restrict__ scale, c
     for (int c = (int)(i % C); i < n; i += stride, c = c + step >= C ? c + step - C : c + step) {
         float v[VEC], s[VEC], t[VEC];
         load<T, VEC>(y, i, v);
-        load<T, VEC>(scale, c, s);
-        load<T, VEC>(shift, c, t);
+        if (scale != nullptr) {
+            load<T, VEC>(scale, c, s);
+            load<T, VEC>(shift, c, t);
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) v[j] = v[j] * s[j] + t[j];
+            for (int j = 0; j < VEC; ++j) v[j] = v[j] * s[j] + t[j];
+        }
         if (residual != 0) {
             float rv[VEC];
             load<T, VEC>(r, i, rv);

@@ -138,6 +138,12 @@ class BatchNormKernels:
         self._apply_args[-1].value = int(relu)
         self._apply(stream, y, scale, shift, residual, scale2, shift2, out)
 
+    def add(self, stream: int, *, a: int, b: int, out: int) -> None:
+        """out = a + b, elementwise over this stage's rows x channels (summed in float32, rounded once,
+        as torch adds float16 tensors)."""
+        self._apply_args[-2].value, self._apply_args[-1].value = 1, 0
+        self._apply(stream, a, NULL, NULL, b, NULL, NULL, out)
+
     def backward(self, stream: int, *, da: int, y: int, out: int, scale: int, shift: int, gamma: int, mean: int,
                  invstd: int, partials: int, coef: int, dgamma: int, dbeta: int, dy: int, relu: bool, counters: int,
                  dz: int = NULL) -> None:

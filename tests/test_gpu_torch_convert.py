@@ -49,6 +49,8 @@ def test_converted_resnet_trains_like_torch():
             losses[name].append(loss.item())
     assert losses["torch"][-1] < losses["torch"][0], losses  # it does learn
     assert "fused" in str(ours.cudnn_graphs_report), str(ours.cudnn_graphs_report)
+    # the blocks with a downsample ran it inside their node
+    assert "+ downsample): fused" in str(ours.cudnn_graphs_report), str(ours.cudnn_graphs_report)
     # Each step's loss near torch's float32 run, as torch's own AMP run is, give or take fp16 noise. The fused
     # BatchNorm normalises with float16 scale / shift (docs/training.md#numerics): its BatchNorm parameter
     # gradients carry ~1e-2 against float64 where torch's carry ~3e-3, and this one-batch fit takes a large

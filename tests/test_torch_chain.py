@@ -64,13 +64,19 @@ def test_training_convert_finds_runs_and_keeps_paths():
     cgt.convert(net)
     report = net.cudnn_graphs_report
     where = {w: len(c.stages) for w, c in report.chains}
-    # single-stage runs (7, a downsample, 13.0) stay unfused: they measured slower fused
+    # single-stage runs (7, 13.0) stay unfused: they measured slower fused
     assert where == {"0": 2, "9": 3, "10": 3, "11": 2}
+    # a block's downsample conv -> BatchNorm is its run's branch: the run computes the residual itself
+    block = net[10]
+    branch = block._cudnn_graphs_chain.branch
+    assert branch.conv is block.downsample[0] and branch.bn is block.downsample[1] and not branch.relu
+    assert net[9]._cudnn_graphs_chain.branch is None  # no downsample: the identity is the residual
+    assert "10 (3 convs + downsample)" in str(report)
     assert list(net.state_dict()) == keys
     assert all(c.status() == "not run in training yet" for _, c in report.chains)
     assert "runs, each one fused node in training" in str(report)
     why = dict(report.unchained)  # every conv -> BatchNorm pair left unfused, and why
-    assert set(why) == {"7", "10.downsample.0", "12.0", "13.0"}
+    assert set(why) == {"7", "12.0", "13.0"}
     assert "a run of 1 stage" in why["7"] and "bias" in why["12.0"]
     assert "12.0: the conv has a bias" in str(report)
     assert cgt.convert(net) is net and net.cudnn_graphs_report is report  # converting again changes nothing
@@ -98,6 +104,8 @@ def test_copies_and_pickles_carry_chains_onto_their_own_modules():
         chain = clone[9]._cudnn_graphs_chain
         assert isinstance(chain, Chain) and chain.stages[0].conv is clone[9].conv1
         assert chain.stages[2].bn is clone[9].bn3 and chain._plans == {}
+        ds = clone[10]._cudnn_graphs_chain
+        assert ds.branch_module is clone[10].downsample and ds.branch.conv is clone[10].downsample[0]
         x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
         torch.testing.assert_close(clone(x), net(x))
 
@@ -141,6 +149,25 @@ def test_hooks_on_a_runs_modules_fire_and_keep_it_unfused():
     finally:
         handle.remove()
     assert not chain._hooked()
+
+
+def test_hooks_on_a_downsample_fire_and_keep_its_run_unfused():
+    """A block whose downsample is its run's branch: hooks on the downsample Sequential or its modules fire
+    (the run computes through its modules, the downsample called as torchvision's forward calls it)."""
+    net = cgt.convert(_net())
+    block = net[10]
+    chain = block._cudnn_graphs_chain
+    calls = []
+    handles = [block.downsample.register_forward_hook(lambda *a: calls.append("downsample")),
+               block.downsample[1].register_forward_hook(lambda *a: calls.append("downsample.1"))]
+    assert chain._hooked()
+    net(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+    assert calls == ["downsample.1", "downsample"]
+    for h in handles:
+        h.remove()
+    assert not chain._hooked()
+    with pytest.raises(ValueError, match="residual"):
+        chain(torch.randn(2, 16, 4, 4, dtype=torch.float64), torch.randn(2, 32, 2, 2, dtype=torch.float64))
 
 
 def test_torch_func_transforms_run_the_modules():

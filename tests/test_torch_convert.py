@@ -131,6 +131,14 @@ def test_convs_outside_fused_runs_train_through_torchs_own_node_by_default():
     with torch.no_grad():  # no gradient wanted: this library's path, the same numbers
         torch.testing.assert_close(net[0](x), ref)
     assert "train_convs='torch'" in str(net.cudnn_graphs_report)
+    # an input needing no gradient (a network's first conv): this library's node, only the weight's gradient
+    y0 = net[0](x.detach())
+    assert _grad_fn(y0) == "_ConvFunctionBackward"
+    torch.testing.assert_close(y0, ref)
+    want = torch.autograd.grad(ref.sum(), net[0].weight)[0]
+    net[0].weight.grad = None
+    net[0](x.detach()).sum().backward()
+    torch.testing.assert_close(net[0].weight.grad, want)
 
 
 def test_train_convs_cudnn_graphs_keeps_this_librarys_autograd_node():

@@ -2,7 +2,10 @@
 
 A run is stages conv_i -> BatchNorm_i -> ReLU_i (every stage but the last has its ReLU), ending in
 [ReLU](BatchNorm_k(conv_k(...)) [+ residual]): torchvision's Bottleneck and BasicBlock bodies, or two or
-more conv, BatchNorm2d, ReLU slot groups of an nn.Sequential (`_convert.py` finds them). Forward, per stage: one cuDNN graph runs the conv and sums its
+more conv, BatchNorm2d, ReLU slot groups of an nn.Sequential (`_convert.py` finds them). A block's
+downsample (conv -> BatchNorm of the run's input) may be the run's `branch`: its conv sums its statistics
+like a stage's, and the output pass adds its normalised output in place of a residual, so it is never
+written normalised; its input gradient is added to the first stage's in one pass. Forward, per stage: one cuDNN graph runs the conv and sums its
 output per channel (`stats`), reading the previous stage's raw conv output through a
 relu(y * scale + shift) prologue, so no normalised activation is written; a one-block kernel turns the
 sums into mean, 1/std, scale, shift and the running statistics. One pass writes the run's output.
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fallback_kernels.batchnorm import BatchNormKernels, Cast
+from fallback_kernels.batchnorm import MAX_CAST, BatchNormKernels, Cast
 from gpu_launch.replay import Replay
 from gpu_launch.streams import capture_probe
 
@@ -62,7 +65,7 @@ def _up(n: int) -> int:
 class _StagePlan:
     """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
-    def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int):
+    def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int, keep_dx: bool = False):
         # Deterministic sessions sum the statistics again in our fixed order, over cuDNN's: its genstats does
         # not add in a fixed order (bit-different sums call to call with deterministic plans, H200, cuDNN
         # 9.19), and the prologue conv has no engine without genstats.
@@ -92,12 +95,13 @@ class _StagePlan:
         self.stats_partials = self.w16 + w_bytes  # deterministic statistics' partial sums
         self.fwd_bytes = self.stats_partials + (_up(self.bn.partials_bytes) if self.own_stats else 0)
         # The backward's pieces of this stage (offsets within the run's one backward allocation): dy, the
-        # reduction's coefficients and partials, the float16 dw, then dx where another stage reads it.
+        # reduction's coefficients and partials, the float16 dw, then dx where another stage reads it or it
+        # is one of two input gradients to add (`keep_dx`: the first stage and the branch of a block).
         self.coef = y_bytes
         self.partials = self.coef + _up(3 * k * _F32)
         self.dw16 = self.partials + _up(self.bn.partials_bytes)
         self.dx = self.dw16 + w_bytes
-        self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue else 0)
+        self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue or keep_dx else 0)
 
 
 def _padding(conv: nn.Conv2d) -> Any:
@@ -109,16 +113,29 @@ def _padding(conv: nn.Conv2d) -> Any:
 class Chain:
     """A run of stages; `__call__(x, residual=None)` runs it: fused where it can, else as its modules do.
 
-    Holds its modules, not their state: a deep copy of the model copies the chain onto the copied
-    modules and drops the plans (they belong to this process and device)."""
+    `branch` (a block's downsample conv -> BatchNorm, no ReLU) reads the run's input and takes the residual's
+    place; `branch_module` is what the modules' own computation calls for it (the downsample Sequential,
+    so that its hooks fire). Holds its modules, not their state: a deep copy of the model copies the chain
+    onto the copied modules and drops the plans (they belong to this process and device)."""
 
-    def __init__(self, stages: list[Stage], *, final_relu: bool):
+    def __init__(self, stages: list[Stage], *, final_relu: bool, branch: Stage | None = None,
+                 branch_module: nn.Module | None = None):
+        if (branch is None) != (branch_module is None):
+            raise ValueError("branch and branch_module: give both or neither")
         self.stages = tuple(stages)
         self.final_relu = final_relu
+        self.branch, self.branch_module = branch, branch_module
         self._plans: dict[tuple, Any] = {}
         self._why: str | None = None  # why the last new geometry runs unfused
 
+    @property
+    def all_stages(self) -> tuple:
+        """The stages, then the branch where there is one: the order of plans, parameters and pointers."""
+        return self.stages if self.branch is None else (*self.stages, self.branch)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None and self.branch is not None:
+            raise ValueError("residual: a run with a downsample branch computes its own residual; got a tensor")
         # torch.func transforms (grad, vmap, jacrev ...) need rules our node does not have: the modules compute
         unfused = self._hooked() or torch._C._are_functorch_transforms_active()
         program = None if unfused else self._prepared(x, residual)
@@ -128,6 +145,8 @@ class Chain:
 
     def unfused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The run as its modules compute it (their hooks fire)."""
+        if self.branch_module is not None:
+            residual = self.branch_module(x)
         for st in self.stages[:-1]:
             x = st.bn(st.conv(x))
             x = (st.act or torch.relu)(x) if st.relu else x
@@ -138,7 +157,8 @@ class Chain:
         return (last.act or torch.relu)(x) if self.final_relu else x
 
     def _hooked(self) -> bool:
-        return hooked([m for st in self.stages for m in (st.conv, st.bn, st.act) if m is not None])
+        extra = [] if self.branch_module is None else [self.branch_module]
+        return hooked([m for st in self.all_stages for m in (st.conv, st.bn, st.act) if m is not None] + extra)
 
     def status(self) -> str:
         """"fused", "not run yet", or why the last new geometry runs unfused."""
@@ -147,17 +167,20 @@ class Chain:
         return "fused" if self._plans else "not run in training yet"
 
     def __deepcopy__(self, memo: dict) -> "Chain":
-        return Chain(copy.deepcopy(list(self.stages), memo), final_relu=self.final_relu)
+        return Chain(copy.deepcopy(list(self.stages), memo), final_relu=self.final_relu,
+                     branch=copy.deepcopy(self.branch, memo), branch_module=copy.deepcopy(self.branch_module, memo))
 
     def __getstate__(self) -> dict:
-        return {"stages": self.stages, "final_relu": self.final_relu}
+        return {"stages": self.stages, "final_relu": self.final_relu, "branch": self.branch,
+                "branch_module": self.branch_module}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(list(state["stages"]), final_relu=state["final_relu"])
+        self.__init__(list(state["stages"]), final_relu=state["final_relu"], branch=state.get("branch"),
+                      branch_module=state.get("branch_module"))
 
     def _params(self) -> list:
         out = []
-        for st in self.stages:
+        for st in self.all_stages:
             out += [st.conv.weight, st.bn.weight, st.bn.bias]
         return out
 
@@ -169,7 +192,7 @@ class Chain:
         key = (x.shape, x.dtype, dtype, x.get_device(), None if residual is None else (residual.shape, residual.dtype),
                torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic(),
                torch._C._get_cudnn_benchmark(),  # True: the plans come from an autotuning session
-               tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.stages]))
+               tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.all_stages]))
         program = self._plans.get(key, 0)
         if program == 0:
             program, provisional = self._plan(x, residual, dtype)
@@ -186,13 +209,17 @@ class Chain:
             device = x.get_device()
             session, provisional = planning_session(device)
             try:
-                plans, shape = [], tuple(x.shape)
+                plans, shape, split = [], tuple(x.shape), self.branch is not None
                 for i, st in enumerate(self.stages):
-                    plans.append(_StagePlan(st, shape, i > 0, session, device))
+                    plans.append(_StagePlan(st, shape, i > 0, session, device, keep_dx=i == 0 and split))
                     shape = plans[-1].y_shape
                     if plans[-1].rows < 2:
                         why = "one value per channel (torch's BatchNorm raises: let it say so)"
                         break
+                if why is None and split:
+                    plans.append(_StagePlan(self.branch, tuple(x.shape), False, session, device, keep_dx=True))
+                    if plans[-1].y_shape != shape:
+                        why = f"the downsample's output {plans[-1].y_shape} is not the run's {shape}"
                 if why is None and residual is not None and tuple(residual.shape) != shape:
                     why = f"the residual's shape {tuple(residual.shape)} is not the output's {shape}"
             except UnsupportedGraphError as err:
@@ -212,7 +239,7 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
         return "the input is not a channels-last 4-D float16/float32 tensor"
     if residual is not None and not residual.is_contiguous(memory_format=torch.channels_last):
         return "the residual is not channels-last"
-    for st in chain.stages:
+    for st in chain.all_stages:
         conv, bn = st.conv, st.bn
         if conv.groups != 1 or conv.bias is not None or conv.padding_mode != "zeros" or conv.weight.dim() != 4:
             return f"{conv} is grouped, has a bias or pads other than with zeros"
@@ -261,17 +288,25 @@ class _Program:
     launch per kernel. Constants (eps, momentum, flags) are in the key that chose this program."""
 
     def __init__(self, chain: Chain, plans: list, device: int):
+        # plans: one per stage, then the branch's where the run has one (chain.all_stages' order)
         self.plans, self.device = plans, device
+        self.stages = len(chain.stages)
+        self.branch = plans[self.stages] if chain.branch is not None else None
         self.final_relu = chain.final_relu
-        bns = [st.bn for st in chain.stages]
+        bns = [st.bn for st in chain.all_stages]
         self.eps = [float(bn.eps) for bn in bns]
         self.momentum = [_momentum(bn) for bn in bns]
         self.track = [bn.track_running_stats and bn.running_mean is not None for bn in bns]
-        self.cast = [st.conv.weight.dtype == torch.float32 for st in chain.stages]
+        self.cast = [st.conv.weight.dtype == torch.float32 for st in chain.all_stages]
         k = len(plans)
-        cast_sizes = tuple(p.w_numel for p, c in zip(plans, self.cast) if c)
-        self.to_half = Cast(cast_sizes, to="to_half", device=device) if cast_sizes else None
-        self.to_float = Cast(cast_sizes, to="to_float", device=device) if cast_sizes else None
+        cast_sizes = [p.w_numel for p, c in zip(plans, self.cast) if c]
+        groups = [tuple(cast_sizes[i:i + MAX_CAST]) for i in range(0, len(cast_sizes), MAX_CAST)]
+        self.to_half = [Cast(g, to="to_half", device=device) for g in groups]
+        self.to_float = [Cast(g, to="to_float", device=device) for g in groups]
+        # the two input gradients of a run with a branch, added in one pass over the input's geometry
+        first = plans[0]
+        self.add = None if self.branch is None else BatchNormKernels(
+            math.prod(first.x_shape) // first.x_shape[1], first.x_shape[1], "float16", device)
         self.bwd_offsets, total = [], 0
         for plan in plans:
             self.bwd_offsets.append(total)
@@ -309,58 +344,93 @@ class _Program:
     def _forward(self, ptrs, stream: int) -> None:
         x16, r16, out = ptrs[0], ptrs[1], ptrs[2]
         stage_ptrs = [ptrs[3 + 7 * i: 10 + 7 * i] for i in range(len(self.plans))]
-        if self.to_half is not None:
+        if self.to_half:
             casts = [(w, buf + p.w16) for (w, buf, *_), p, c in zip(stage_ptrs, self.plans, self.cast) if c]
-            self.to_half(stream, [c[0] for c in casts], [c[1] for c in casts])
+            for n, cast in enumerate(self.to_half):
+                group = casts[n * MAX_CAST:(n + 1) * MAX_CAST]
+                cast(stream, [c[0] for c in group], [c[1] for c in group])
         inp, prev = x16, None
-        for i, (plan, (w, buf, gamma, beta, rm, rv, nbt)) in enumerate(zip(self.plans, stage_ptrs)):
-            w16 = buf + plan.w16 if self.cast[i] else w
-            stats = (buf + plan.sum, buf + plan.sq_sum)
-            conv = (inp, w16, buf, *stats) if prev is None else (inp, prev[0], prev[1], w16, buf, *stats)
-            self._prep(plan.fwd, stream)(conv)
-            if plan.own_stats:
-                plan.bn.stats(stream, y=buf, partials=buf + plan.stats_partials, sum=buf + plan.sum,
-                              sq_sum=buf + plan.sq_sum, counters=self.stats_counters[i])
-            plan.bn.finalize(stream, sum=buf + plan.sum, sq_sum=buf + plan.sq_sum, gamma=gamma, beta=beta,
-                             running_mean=rm, running_var=rv, num_batches=nbt, scale=buf + plan.scale,
-                             shift=buf + plan.shift, mean=buf + plan.mean, invstd=buf + plan.invstd,
-                             eps=self.eps[i], momentum=self.momentum[i])
+        for i in range(self.stages):
+            self._stage_forward(i, stage_ptrs[i], inp, prev, stream)
+            buf, plan = stage_ptrs[i][1], self.plans[i]
             inp, prev = buf, (buf + plan.scale, buf + plan.shift)
-        self.plans[-1].bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out, relu=self.final_relu,
-                                residual=r16)
+        scale2 = shift2 = 0
+        if self.branch is not None:  # the downsample: its raw output and coefficients feed the output pass
+            self._stage_forward(self.stages, stage_ptrs[self.stages], x16, None, stream)
+            r16 = stage_ptrs[self.stages][1]
+            scale2, shift2 = r16 + self.branch.scale, r16 + self.branch.shift
+        self.plans[self.stages - 1].bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out,
+                                             relu=self.final_relu, residual=r16, scale2=scale2, shift2=shift2)
+
+    def _stage_forward(self, i: int, ptrs: tuple, inp: int, prev: tuple | None, stream: int) -> None:
+        """Stage i's conv with its statistics (through the previous stage's prologue where `prev`), then
+        its coefficients and running statistics."""
+        plan, (w, buf, gamma, beta, rm, rv, nbt) = self.plans[i], ptrs
+        w16 = buf + plan.w16 if self.cast[i] else w
+        stats = (buf + plan.sum, buf + plan.sq_sum)
+        conv = (inp, w16, buf, *stats) if prev is None else (inp, prev[0], prev[1], w16, buf, *stats)
+        self._prep(plan.fwd, stream)(conv)
+        if plan.own_stats:
+            plan.bn.stats(stream, y=buf, partials=buf + plan.stats_partials, sum=buf + plan.sum,
+                          sq_sum=buf + plan.sq_sum, counters=self.stats_counters[i])
+        plan.bn.finalize(stream, sum=buf + plan.sum, sq_sum=buf + plan.sq_sum, gamma=gamma, beta=beta,
+                         running_mean=rm, running_var=rv, num_batches=nbt, scale=buf + plan.scale,
+                         shift=buf + plan.shift, mean=buf + plan.mean, invstd=buf + plan.invstd,
+                         eps=self.eps[i], momentum=self.momentum[i])
 
     # backward pointers: g16, out (or 0), x16, dz (or 0), dx (or 0), the backward buffer, dgb, then per
     # stage: its forward buffer, weight (fp16 source where not cast), gamma (or 0), dw
     def _backward(self, ptrs, stream: int) -> None:
         g16, out, x16, dz, dx, bwd, dgb = ptrs[:7]
         stage_ptrs = [ptrs[7 + 4 * i: 11 + 4 * i] for i in range(len(self.plans))]
-        k = len(self.plans)
+        k, split = self.stages, self.branch is not None
+        run = (stage_ptrs, out, x16, bwd, dgb, stream)
+        if split:  # the downsample's gradients first: it reads the same incoming gradient as the last stage
+            self._stage_backward(k, g16, 0, *run)
         da = g16
         for i in range(k - 1, -1, -1):
-            plan, (buf, w, gamma, dw) = self.plans[i], stage_ptrs[i]
-            sb, last = bwd + self.bwd_offsets[i], i == k - 1
-            d_gb = dgb + 4 * self.dgb_offsets[i]
-            plan.bn.backward(stream, da=da, y=buf, out=out if last and self.final_relu else 0,
-                             scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
-                             invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
-                             dgamma=d_gb if gamma else 0, dbeta=d_gb + 4 * plan.k if gamma else 0, dy=sb,
-                             relu=self.final_relu if last else True, counters=self.bwd_counters[i],
-                             dz=dz if last else 0)
-            w16 = buf + plan.w16 if self.cast[i] else w
-            dw_out = sb + plan.dw16 if self.cast[i] else dw
-            if i == 0:
-                self._prep(plan.wgrad, stream)((x16, sb, dw_out))
-                if dx:
-                    self._prep(plan.dgrad, stream)((sb, w16, dx))
+            da = self._stage_backward(i, da, dz if i == k - 1 else 0, *run)
+        if dx:  # where the run's input gradient is wanted
+            first = bwd + self.bwd_offsets[0] + self.plans[0].dx
+            if split:
+                branch = bwd + self.bwd_offsets[k] + self.branch.dx
+                self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), first))
+                self._prep(self.branch.dgrad, stream)((bwd + self.bwd_offsets[k], self._w16(k, stage_ptrs), branch))
+                self.add.add(stream, a=first, b=branch, out=dx)
             else:
-                pb, prev = stage_ptrs[i - 1][0], self.plans[i - 1]
-                self._prep(plan.wgrad, stream)((pb, pb + prev.scale, pb + prev.shift, sb, dw_out))
-                self._prep(plan.dgrad, stream)((sb, w16, sb + plan.dx))
-                da = sb + plan.dx
-        if self.to_float is not None:
+                self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), dx))
+        if self.to_float:
             pairs = [(bwd + self.bwd_offsets[i] + p.dw16, stage_ptrs[i][3])
                      for i, (p, c) in enumerate(zip(self.plans, self.cast)) if c]
-            self.to_float(stream, [a for a, _ in pairs], [b for _, b in pairs])
+            for n, cast in enumerate(self.to_float):
+                group = pairs[n * MAX_CAST:(n + 1) * MAX_CAST]
+                cast(stream, [a for a, _ in group], [b for _, b in group])
+
+    def _w16(self, i: int, stage_ptrs) -> int:
+        buf, w = stage_ptrs[i][0], stage_ptrs[i][1]
+        return buf + self.plans[i].w16 if self.cast[i] else w
+
+    def _stage_backward(self, i: int, da: int, dz: int, stage_ptrs, out: int, x16: int, bwd: int, dgb: int,
+                        stream: int) -> int:
+        """Stage (or branch) i's BatchNorm backward and wgrad, and for a stage after the first its dgrad;
+        returns where the previous stage's activation gradient is. The last stage and the branch read the
+        run's incoming gradient, masked by the stored output where the run ends in a ReLU."""
+        plan, (buf, _, gamma, dw) = self.plans[i], stage_ptrs[i]
+        sb, ends = bwd + self.bwd_offsets[i], i >= self.stages - 1
+        d_gb = dgb + 4 * self.dgb_offsets[i]
+        plan.bn.backward(stream, da=da, y=buf, out=out if ends and self.final_relu else 0,
+                         scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
+                         invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
+                         dgamma=d_gb if gamma else 0, dbeta=d_gb + 4 * plan.k if gamma else 0, dy=sb,
+                         relu=self.final_relu if ends else True, counters=self.bwd_counters[i], dz=dz)
+        dw_out = sb + plan.dw16 if self.cast[i] else dw
+        if i == 0 or i == self.stages:  # reads the run's input
+            self._prep(plan.wgrad, stream)((x16, sb, dw_out))
+            return 0
+        pb, prev = stage_ptrs[i - 1][0], self.plans[i - 1]
+        self._prep(plan.wgrad, stream)((pb, pb + prev.scale, pb + prev.shift, sb, dw_out))
+        self._prep(plan.dgrad, stream)((sb, self._w16(i, stage_ptrs), sb + plan.dx))
+        return sb + plan.dx
 
     def run_forward(self, ptrs: tuple, stream: int) -> None:
         self._streams[threading.get_ident()] = stream
@@ -410,11 +480,11 @@ class _ChainFunction(torch.autograd.Function):
         device = x.device
         x16 = _aligned16(x)
         r16 = None if residual is None else _aligned16(residual)
-        out = _cl(program.plans[-1].y_shape, device)
+        out = _cl(program.plans[program.stages - 1].y_shape, device)
         bufs = [_bytes(p.fwd_bytes, device) for p in program.plans]
         ptrs = [x16.data_ptr(), _ptr_or_0(r16), out.data_ptr()]
         weights = []
-        for i, st in enumerate(chain.stages):
+        for i, st in enumerate(chain.all_stages):
             bn, w = st.bn, params[3 * i]
             if not program.cast[i]:  # a float16 weight, read where it is (channels-last, as planned)
                 w = w.contiguous(memory_format=torch.channels_last)
@@ -444,7 +514,7 @@ class _ChainFunction(torch.autograd.Function):
         g16 = _aligned16(grad)
         want_dx, want_dz = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         dx = _cl(program.plans[0].x_shape, device) if want_dx else None
-        dz = _cl(program.plans[-1].y_shape, device) if want_dz else None
+        dz = _cl(program.plans[program.stages - 1].y_shape, device) if want_dz else None
         bwd = _bytes(program.bwd_bytes, device)
         dgb = torch.empty(program.dgb_numel, device=device, dtype=torch.float32)
         dws = [torch.empty_like(params[3 * i], memory_format=torch.channels_last) for i in range(k)]

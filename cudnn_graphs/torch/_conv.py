@@ -805,8 +805,10 @@ class _ConvMixin:
     activation and residual. Parameters, buffers, initialisation and state_dict are torch's own."""
 
     _nd: int
-    # convert(train_convs="torch") sets it: where a gradient is wanted, torch's own conv (one C++ autograd
-    # node); our Python node costs a host-bound step more than it saves outside fused runs
+    # convert(train_convs="torch") sets it: where the input's gradient is wanted, torch's own conv (one C++
+    # autograd node); our Python node costs a host-bound step more than it saves outside fused runs. A conv
+    # whose input needs no gradient (a network's input conv) keeps our plans: one node a step, and under
+    # cudnn.benchmark torch would time it again in every process (0.19 s of resnet50's first step, H100)
     torch_when_training: bool = False
 
     def _init_activation(self, activation: Any) -> None:
@@ -818,7 +820,7 @@ class _ConvMixin:
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         # torch's own hook, which subclasses (weight standardisation, LoRA ...) call with their weight
-        if self.torch_when_training and torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
+        if self.torch_when_training and torch.is_grad_enabled() and input.requires_grad:
             return self._torch_forward(input, weight, bias, residual)
         padding = self.padding
         if self.padding_mode != "zeros":  # torch pads with the mode first, then convolves unpadded

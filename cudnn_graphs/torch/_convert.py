@@ -5,7 +5,7 @@
     print(model.cudnn_graphs_report)
 
 Training: conv -> BatchNorm2d -> ReLU runs (torchvision's BasicBlock and Bottleneck bodies with their
-residual add, and runs inside an nn.Sequential such as Conv2dNormActivation or a downsample) run as one
+residual add and their downsample's conv -> BatchNorm, and runs inside an nn.Sequential) run as one
 fused autograd node each (`_chain.py`), where the call allows it (float16 or AMP float16, channels_last,
 training mode); elsewhere the modules' own forward runs. `fuse_batchnorm=False` keeps torch's BatchNorm.
 A conv outside a fused run calls torch's own convolution where a gradient is wanted (`train_convs`).
@@ -71,7 +71,8 @@ class ConversionReport:
                          f"and {len(self.fused_residual)} residual adds fused")
         if self.chains:
             lines.append(f"{len(self.chains)} conv-BatchNorm-ReLU runs, each one fused node in training:")
-            lines += [f"  {where} ({len(chain.stages)} convs): {chain.status()}" for where, chain in self.chains]
+            lines += [f"  {where} ({len(chain.stages)} convs{' + downsample' if chain.branch else ''}): "
+                      f"{chain.status()}" for where, chain in self.chains]
         if self.unchained:
             lines.append(f"{len(self.unchained)} conv -> BatchNorm pairs left unfused in training:")
             lines += [f"  {where}: {why}" for where, why in self.unchained]
@@ -93,8 +94,9 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
 
     `fuse_batchnorm`: conv -> BatchNorm -> ReLU runs become one fused node each in training, and
     BatchNorm -> ReLU -> conv one graph in eval (pre-activation networks).
-    `train_convs`: what a conv outside such a run does where a gradient is wanted. "torch" (default):
-    torch's own convolution, whose C++ autograd node costs a host-bound step less than ours; "cudnn_graphs":
+    `train_convs`: what a conv outside such a run does where its input's gradient is wanted. "torch"
+    (default): torch's own convolution, whose C++ autograd node costs a host-bound step less than ours (a
+    conv whose input needs no gradient, such as the network's first, keeps this library's plans); "cudnn_graphs":
     this library's plans, which under `cudnn.benchmark` are autotuned once per machine and read from the
     plan cache (no timing in a job's first iteration) at more host time per step. Eval and no-grad calls
     run this library's plans either way. A converted model converted again is returned as it is.
@@ -316,11 +318,12 @@ def _activation_of(module: nn.Module) -> Activation | None:
 # -- training: conv -> BatchNorm -> ReLU runs as fused nodes -------------------------------------------
 
 def _chain_batchnorm(model: nn.Module, report: ConversionReport) -> None:
+    branches: set[int] = set()  # downsamples that became a block's branch (named_modules lists blocks first)
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         if _resnet_block(module) is not None:
-            _chain_resnet_block(module, prefix, report)
-        elif type(module).forward is nn.Sequential.forward:
+            _chain_resnet_block(module, prefix, report, branches)
+        elif type(module).forward is nn.Sequential.forward and id(module) not in branches:
             _chain_sequential(module, prefix, report)
 
 
@@ -345,7 +348,7 @@ def _why_not_stage(conv: nn.Module, bn: nn.Module) -> str | None:
     return None
 
 
-def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) -> None:
+def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport, branches: set[int]) -> None:
     n = 3 if _resnet_block(block) == "Bottleneck" else 2
     pairs = [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in range(1, n + 1)]
     why = next((w for w in (_why_not_stage(c, b) for c, b in pairs) if w is not None), None)
@@ -353,9 +356,22 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport)
         report.unchained.append((prefix.rstrip("."), why))
         return
     stages = [Stage(c, b, relu=True, act=block.relu) for c, b in pairs]
-    block._cudnn_graphs_chain = Chain(stages, final_relu=True)
+    branch = _branch(getattr(block, "downsample", None))
+    if branch is not None:
+        branches.add(id(block.downsample))
+    block._cudnn_graphs_chain = Chain(stages, final_relu=True, branch=branch,
+                                      branch_module=None if branch is None else block.downsample)
     block.forward = _Forward(_chained_block_forward, block)
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
+
+
+def _branch(downsample: nn.Module | None) -> Stage | None:
+    """A block's downsample as its run's branch: torchvision's nn.Sequential(conv, BatchNorm2d) whose pair
+    could be a stage. Anything else stays the residual input, computed by its own modules."""
+    if type(downsample) is not nn.Sequential or len(downsample) != 2:
+        return None
+    conv, bn = downsample[0], downsample[1]
+    return Stage(conv, bn, relu=False) if _why_not_stage(conv, bn) is None else None
 
 
 def _chains_run() -> bool:
@@ -368,8 +384,10 @@ def _chained_block_forward(self, x: torch.Tensor) -> torch.Tensor:
     """torchvision's block, its body one fused node in training (its own forward in eval)."""
     if not self.training or not _chains_run():
         return type(self).forward(self, x)
-    identity = x if self.downsample is None else self.downsample(x)
-    return self._cudnn_graphs_chain(x, identity)
+    chain = self._cudnn_graphs_chain
+    if chain.branch is not None:  # the downsample runs inside the node (or, unfused, as its modules)
+        return chain(x)
+    return chain(x, x if self.downsample is None else self.downsample(x))
 
 
 # A run of one stage (conv -> BatchNorm [-> ReLU] feeding something else) saves no pass over memory and cost
