@@ -195,6 +195,38 @@ def test_chain_with_a_downsample_branch_matches_torch_in_float64(name):
         parameters_and_buffers_close(ours, theirs, ref)
 
 
+def test_a_sequential_run_of_more_weights_than_one_cast_takes():
+    """Five conv -> BatchNorm -> ReLU slots in an nn.Sequential under AMP: five float32 weights cast to
+    float16 (and their gradients back) by more than one launch (a launch casts four)."""
+    import cudnn_graphs.torch as cgt
+
+    torch.manual_seed(5)
+    slots = [m for _ in range(5) for m in (nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())]
+    theirs = nn.Sequential(*slots).cuda().to(memory_format=CL)
+    ref = copy.deepcopy(theirs).double()
+    ours = cgt.convert(copy.deepcopy(theirs))
+    (where, chain), = ours.cudnn_graphs_report.chains
+    assert len(chain.stages) == 5
+    x = torch.randn(4, 32, 12, 12, device="cuda").to(memory_format=CL)
+    g = torch.randn(4, 32, 12, 12, device="cuda", dtype=torch.float16).to(memory_format=CL)
+
+
+    def run(model, x, g, amp):
+        xs = x.detach().clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            out = model(xs)
+        out.backward(g)
+        return out, xs.grad
+
+    got = run(ours, x, g, True)
+    assert chain.status() == "fused", chain.status()
+    want, exact = run(theirs, x, g, True), run(ref, x.double(), g.double(), False)
+    close(got[0], want[0], exact[0], "output")
+    close(got[1], want[1], exact[1], "input gradient")
+    for (name, p), (_, t), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), ref.named_parameters()):
+        close(p.grad, t.grad, q.grad, name, PROLOGUE_SLACK)
+
+
 def test_chain_is_deterministic_and_never_synchronises():
     torch.manual_seed(1)
     block = Block(c=64, mid=64, k=64).cuda().half().to(memory_format=CL)
