@@ -105,7 +105,7 @@ class BatchNormKernels:
         i32, i64 = ctypes.c_int32, ctypes.c_int64
         self._finalize_args = [*_ptrs(11), i32(c), ctypes.c_double(rows), ctypes.c_float(1e-5), ctypes.c_float(0.1)]
         self._finalize = _Launch(fns["finalize"], 1, BLOCK, self._finalize_args, device)
-        self._apply_args = [*_ptrs(7), i64(n), i32(c), i32(0), i32(1)]
+        self._apply_args = [*_ptrs(7), i64(n), i32(c), i32(1)]
         self._apply = _Launch(fns[f"apply{vec}"], grid, BLOCK, self._apply_args, device)
         self.tiles = tiles  # counters a reduction needs (one per tile, zero between launches)
         red = [i64(rows), i32(c), i64(chunk), i64(self.chunks)]
@@ -133,15 +133,14 @@ class BatchNormKernels:
 
     def apply(self, stream: int, *, y: int, scale: int, shift: int, out: int, relu: bool, residual: int = NULL,
               scale2: int = NULL, shift2: int = NULL) -> None:
-        """out = [relu](y * scale + shift [+ residual | + residual * scale2 + shift2])."""
-        self._apply_args[-2].value = 0 if not residual else (2 if scale2 else 1)
+        """out = [relu](y * scale + shift [+ residual | + residual * scale2 + shift2]); 0 = absent."""
         self._apply_args[-1].value = int(relu)
         self._apply(stream, y, scale, shift, residual, scale2, shift2, out)
 
     def add(self, stream: int, *, a: int, b: int, out: int) -> None:
         """out = a + b, elementwise over this stage's rows x channels (summed in float32, rounded once,
         as torch adds float16 tensors)."""
-        self._apply_args[-2].value, self._apply_args[-1].value = 1, 0
+        self._apply_args[-1].value = 0
         self._apply(stream, a, NULL, NULL, b, NULL, NULL, out)
 
     def backward(self, stream: int, *, da: int, y: int, out: int, scale: int, shift: int, gamma: int, mean: int,

@@ -289,30 +289,50 @@ def test_misaligned_views_are_copied_not_misread():
         close(a, b, c, what)
 
 
-@pytest.mark.parametrize("branch", [False, True], ids=["residual", "downsample"])
-def test_replayed_calls_equal_direct_ones_bit_for_bit(branch):
-    """From its second call a run replays one re-pointed graph forward and one backward; the results of a
-    replay (with new buffers) equal the first, direct call's exactly."""
+REPLAY_CASES = {
+    "residual": dict(),
+    "downsample": dict(branch=True),
+    "no-residual": dict(residual=False),        # the output pass's residual pointer is null
+    "no-affine": dict(bn_kwargs=dict(affine=False)),  # no gamma, no dgamma / dbeta
+    "no-input-grad": dict(input_grad=False),    # no dgrad of the first stage
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_replayed_calls_equal_direct_ones_bit_for_bit(name):
+    """From its second call a run replays one re-pointed graph forward and one backward, whichever pointers
+    are null (a moved recording makes every pointer nonzero: the launches must not follow their values);
+    the results of a replay (with new buffers) equal the first, direct call's exactly."""
+    case = dict(REPLAY_CASES[name])
+    branch, residual = case.pop("branch", False), case.pop("residual", True)
+    input_grad = case.pop("input_grad", True)
     torch.manual_seed(3)
-    block = (DownsampleBlock(c=64, mid=32, k=64, stride=1) if branch else Block(c=64, mid=32, k=64)).cuda()
-    block = block.to(memory_format=CL)
+    block = DownsampleBlock(c=64, mid=32, k=64, stride=1) if branch else Block(c=64, mid=32, k=64, **case)
+    block = block.cuda().to(memory_format=CL)
     chain = block.chain()
     x = torch.randn(8, 64, 16, 16, device="cuda").to(memory_format=CL)
     g = torch.randn(8, 64, 16, 16, device="cuda", dtype=torch.float16).to(memory_format=CL)
-    names = ["out", "dx"] + ([] if branch else ["dres"]) + [n for n, _ in block.named_parameters()]
+    r = x.detach().clone() if residual and not branch else None
     results = []
     torch.use_deterministic_algorithms(True)  # deterministic plans: any difference is the replay's
     try:
         for _ in range(4):
-            out, dx, dr = _run(block, chain, x, None if branch else x, g, True)
-            results.append([out, dx] + ([] if branch else [dr]) + [p.grad.clone() for p in block.parameters()])
+            xs = x.detach().clone().requires_grad_(input_grad)
+            rs = None if r is None else r.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = chain(xs, rs)
+            out.backward(g)
+            got = {"out": out, "dx": xs.grad, "dres": None if rs is None else rs.grad}
+            got.update((n, p.grad.clone()) for n, p in block.named_parameters())
+            results.append({k: v for k, v in got.items() if v is not None})
             block.zero_grad()
     finally:
         torch.use_deterministic_algorithms(False)
+    assert ("dx" in results[0]) == input_grad
     program, = chain._plans.values()
     assert program is not None, chain.status()
     assert program.forward.replays >= 2 and sum(r.replays for r in program.backward.values()) >= 2
     for n, later in enumerate(results[1:], start=1):
-        differ = [(name, float((a.double() - b.double()).abs().max())) for name, a, b in zip(names, results[0], later)
-                  if not torch.equal(a, b)]
+        differ = [(k, float((results[0][k].double() - v.double()).abs().max())) for k, v in later.items()
+                  if not torch.equal(results[0][k], v)]
         assert not differ, f"call {n} against the first: {differ}"

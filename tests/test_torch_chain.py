@@ -58,6 +58,17 @@ def _step(net, x):
     return out, {n: p.grad.clone() for n, p in net.named_parameters()}, {n: b.clone() for n, b in net.named_buffers()}
 
 
+def _same_step(ours, theirs, x):
+    """One step of each computes the same output, gradients and buffers (float64)."""
+    out, grads, bufs = _step(ours, x)
+    ref_out, ref_grads, ref_bufs = _step(theirs, x)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12)
+    for name in ref_bufs:
+        torch.testing.assert_close(bufs[name], ref_bufs[name], rtol=1e-12, atol=0)
+
+
 def test_training_convert_finds_runs_and_keeps_paths():
     net = _net()
     keys = list(net.state_dict())
@@ -87,13 +98,7 @@ def test_converted_runs_compute_what_the_modules_compute_on_cpu(train):
     net = _net().train(train)
     ours = cgt.convert(copy.deepcopy(net))
     x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
-    out, grads, bufs = _step(ours, x)
-    ref_out, ref_grads, ref_bufs = _step(net, x)
-    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12)
-    for name in ref_bufs:
-        torch.testing.assert_close(bufs[name], ref_bufs[name], rtol=1e-12, atol=0)
+    _same_step(ours, net, x)
     # CPU tensors never plan; the report says why nothing ran fused
     assert all(not c._plans for _, c in ours.cudnn_graphs_report.chains)
 
@@ -168,6 +173,33 @@ def test_hooks_on_a_downsample_fire_and_keep_its_run_unfused():
     assert not chain._hooked()
     with pytest.raises(ValueError, match="residual"):
         chain(torch.randn(2, 16, 4, 4, dtype=torch.float64), torch.randn(2, 32, 2, 2, dtype=torch.float64))
+
+
+def test_modules_replaced_after_convert_are_the_ones_that_run():
+    """A fused node holds the modules convert found; one replaced afterwards (SyncBatchNorm's converter, a
+    new downsample, another activation) must be the one that computes: the owner's own forward runs then."""
+    base = _net()
+    ours = cgt.convert(copy.deepcopy(base))
+    torch.manual_seed(7)
+    new = {"ds": nn.Sequential(nn.Conv2d(16, 32, 1, 2, bias=False), nn.BatchNorm2d(32)),
+           "bn": nn.BatchNorm2d(4), "seq_bn": nn.BatchNorm2d(16), "act": nn.ELU()}
+    for m in new.values():
+        m.double()
+        for p in m.parameters():
+            nn.init.uniform_(p, 0.5, 1.5)
+    for net in (base, ours):
+        twin = {k: copy.deepcopy(v) for k, v in new.items()}
+        net[10].downsample = twin["ds"]     # a Bottleneck whose downsample was its run's branch
+        net[9].bn1 = twin["bn"]             # a stage of a block's run
+        net[1] = twin["seq_bn"]             # a stage of a Sequential run
+        net[11].relu = twin["act"]          # the activation a BasicBlock's run applies
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    _same_step(ours, base, x)
+    fresh = cgt.convert(_net())
+    for clone in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):  # copies watch their own modules
+        held = clone[10].forward.held
+        assert held[0][0] is clone[10]._modules and held[-1][2] is clone[10].downsample[1]
+        assert all(modules.get(name) is m for modules, name, m in held)
 
 
 def test_torch_func_transforms_run_the_modules():

@@ -149,6 +149,21 @@ def test_train_convs_cudnn_graphs_keeps_this_librarys_autograd_node():
     assert "train_convs='cudnn_graphs'" in str(net.cudnn_graphs_report)
 
 
+@pytest.mark.parametrize("train_convs", ["torch", "cudnn_graphs"])
+def test_forward_mode_ad_through_a_converted_conv(train_convs):
+    """Inside a forward-AD level (dual tensors) a converted conv is torch's: our nodes have no jvp rule."""
+    import torch.autograd.forward_ad as fwAD
+
+    net = cgt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double(), train_convs=train_convs)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    tangent = torch.randn_like(net[0].weight)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(net[0].weight.detach(), tangent)
+        y = torch.func.functional_call(net, {"0.weight": dual}, (x,))
+        got = fwAD.unpack_dual(y).tangent
+    torch.testing.assert_close(got, nn.functional.conv2d(x, tangent, None, padding=1))
+
+
 def test_torchs_training_path_keeps_a_fused_residual_and_activation():
     torch.manual_seed(0)
     conv = cgt.Conv2d(3, 4, 3, padding=1, activation="relu").double()

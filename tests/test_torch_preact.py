@@ -189,6 +189,21 @@ def test_copies_and_pickles_drop_plans():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
 
+def test_modules_replaced_after_convert_are_the_ones_that_run():
+    """A site holds the modules convert found; a BatchNorm or conv replaced afterwards computes instead."""
+    ref, model = _pair()
+    cgt.convert(model)
+    torch.manual_seed(3)
+    layer_bn, trans_conv = nn.BatchNorm2d(16), nn.Conv2d(40, 16, 1, bias=False)
+    _randomise(layer_bn.eval())
+    for net in (ref, model):
+        net.features.denseblock1.denselayer1.norm1 = copy.deepcopy(layer_bn)
+        net.features.transition1.conv = copy.deepcopy(trans_conv)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
 def test_convert_twice_is_a_no_op():
     _, model = _pair()
     cgt.convert(model)

@@ -23,6 +23,7 @@ dtype or layout, eval mode, CPU tensors, a plan cuDNN declines -- runs the modul
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import threading
@@ -297,6 +298,7 @@ class _Program:
         self.eps = [float(bn.eps) for bn in bns]
         self.momentum = [_momentum(bn) for bn in bns]
         self.track = [bn.track_running_stats and bn.running_mean is not None for bn in bns]
+        self.affine = [bn.weight is not None for bn in bns]
         self.cast = [st.conv.weight.dtype == torch.float32 for st in chain.all_stages]
         k = len(plans)
         cast_sizes = [p.w_numel for p, c in zip(plans, self.cast) if c]
@@ -379,8 +381,10 @@ class _Program:
                          eps=self.eps[i], momentum=self.momentum[i])
 
     # backward pointers: g16, out (or 0), x16, dz (or 0), dx (or 0), the backward buffer, dgb, then per
-    # stage: its forward buffer, weight (fp16 source where not cast), gamma (or 0), dw
-    def _backward(self, ptrs, stream: int) -> None:
+    # stage: its forward buffer, weight (fp16 source where not cast), gamma (or 0), dw. Which launches run
+    # follows flags fixed per program and variant, never a pointer's value: a re-pointed graph's moved
+    # recordings make every pointer nonzero (graph_patch.moved_pointers), and their launches must match.
+    def _backward(self, ptrs, stream: int, want_dx: bool) -> None:
         g16, out, x16, dz, dx, bwd, dgb = ptrs[:7]
         stage_ptrs = [ptrs[7 + 4 * i: 11 + 4 * i] for i in range(len(self.plans))]
         k, split = self.stages, self.branch is not None
@@ -390,7 +394,7 @@ class _Program:
         da = g16
         for i in range(k - 1, -1, -1):
             da = self._stage_backward(i, da, dz if i == k - 1 else 0, *run)
-        if dx:  # where the run's input gradient is wanted
+        if want_dx:
             first = bwd + self.bwd_offsets[0] + self.plans[0].dx
             if split:
                 branch = bwd + self.bwd_offsets[k] + self.branch.dx
@@ -421,7 +425,7 @@ class _Program:
         plan.bn.backward(stream, da=da, y=buf, out=out if ends and self.final_relu else 0,
                          scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
                          invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
-                         dgamma=d_gb if gamma else 0, dbeta=d_gb + 4 * plan.k if gamma else 0, dy=sb,
+                         dgamma=d_gb if self.affine[i] else 0, dbeta=d_gb + 4 * plan.k if self.affine[i] else 0, dy=sb,
                          relu=self.final_relu if ends else True, counters=self.bwd_counters[i], dz=dz)
         dw_out = sb + plan.dw16 if self.cast[i] else dw
         if i == 0 or i == self.stages:  # reads the run's input
@@ -437,12 +441,13 @@ class _Program:
         _replayed(self.forward, self._forward, ptrs, stream)
 
     def run_backward(self, ptrs: tuple, stream: int, variant: tuple) -> None:
+        """variant: (input gradient wanted, residual gradient wanted)."""
         replay = self.backward.get(variant)
         if replay is None:
-            replay = self.backward[variant] = Replay(self._backward, ordinal=self.device,
-                                                     label=f"{self._label} backward")
+            run = functools.partial(self._backward, want_dx=variant[0])
+            replay = self.backward[variant] = Replay(run, ordinal=self.device, label=f"{self._label} backward")
         self._streams[threading.get_ident()] = stream
-        _replayed(replay, self._backward, ptrs, stream)
+        _replayed(replay, replay.run, ptrs, stream)
 
 
 def _replayed(replay: Replay, run, ptrs: tuple, stream: int) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd import forward_ad as _fwAD
 
 from gpu_launch.activations import Activation, as_activation
 from gpu_launch.memo import CallMemo
@@ -820,7 +821,8 @@ class _ConvMixin:
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         # torch's own hook, which subclasses (weight standardisation, LoRA ...) call with their weight
-        if self.torch_when_training and torch.is_grad_enabled() and input.requires_grad:
+        # inside a forward-mode AD level (dual tensors) torch's conv too: our nodes have no jvp rule
+        if self.torch_when_training and torch.is_grad_enabled() and input.requires_grad or _fwAD._current_level >= 0:
             return self._torch_forward(input, weight, bias, residual)
         padding = self.padding
         if self.padding_mode != "zeros":  # torch pads with the mode first, then convolves unpadded

@@ -187,21 +187,29 @@ def _why_kept(conv: nn.Module) -> str:
 
 class _Forward:
     """A module's replacement forward: `fn(module, *args)`. Unlike a bound method it pickles (the
-    function by name, the module by reference) and deep-copies onto the copied module."""
+    function by name, the module by reference) and deep-copies onto the copied module.
 
-    __slots__ = ("fn", "module")
+    `held`: the (parent, attribute) places of the modules that `fn`'s fused nodes hold. Once one of them
+    holds another module (SyncBatchNorm.convert_sync_batchnorm, a new downsample, a swapped activation),
+    the module's own class forward runs, with the modules it has now: the nodes would use the old ones."""
 
-    def __init__(self, fn, module: nn.Module):
+    __slots__ = ("fn", "module", "held")
+
+    def __init__(self, fn, module: nn.Module, held: tuple = ()):
         self.fn, self.module = fn, module
+        self.held = tuple((parent._modules, name, parent._modules[name]) for parent, name in held)
 
     def __call__(self, *args, **kwargs):
+        for modules, name, module in self.held:
+            if modules.get(name) is not module:  # replaced after convert: the fused nodes are stale
+                return type(self.module).forward(self.module, *args, **kwargs)
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
-        return (self.fn, self.module)
+        return (self.fn, self.module, self.held)
 
     def __setstate__(self, state):
-        self.fn, self.module = state
+        self.fn, self.module, self.held = state if len(state) == 3 else (*state, ())
 
 
 # -- inference: BatchNorm folding and epilogue fusion ---------------------------------------------------
@@ -361,7 +369,10 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport,
         branches.add(id(block.downsample))
     block._cudnn_graphs_chain = Chain(stages, final_relu=True, branch=branch,
                                       branch_module=None if branch is None else block.downsample)
-    block.forward = _Forward(_chained_block_forward, block)
+    held = [(block, f"{kind}{i}") for i in range(1, n + 1) for kind in ("conv", "bn")] + [(block, "relu")]
+    if branch is not None:
+        held += [(block, "downsample"), (block.downsample, "0"), (block.downsample, "1")]
+    block.forward = _Forward(_chained_block_forward, block, tuple(held))
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
 
 
@@ -399,7 +410,7 @@ MIN_RUN_STAGES = 2
 
 def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
     """Runs of MIN_RUN_STAGES or more conv, BatchNorm2d[, ReLU] slots; a stage without its ReLU ends a run."""
-    names, steps, i, found = list(seq._modules), [], 0, False
+    names, steps, i, held = list(seq._modules), [], 0, []
     while i < len(names):
         stages, start = [], i
         while i + 1 < len(names) and _conv_bn(seq._modules[names[i]], seq._modules[names[i + 1]]):
@@ -418,10 +429,10 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
         chain = Chain(stages, final_relu=final)
         steps.append(chain)
         report.chains.append((f"{prefix}{names[start]}", chain))
-        found = True
-    if found:
+        held += [(seq, name) for name in names[start:i]]
+    if held:
         seq._cudnn_graphs_steps = tuple(steps)
-        seq.forward = _Forward(_chained_sequential_forward, seq)
+        seq.forward = _Forward(_chained_sequential_forward, seq, tuple(held))
 
 
 def _note_unchained(seq: nn.Sequential, names: list, start: int, stages: int, prefix: str,
@@ -471,20 +482,21 @@ def _site(bn: nn.Module, relu: nn.Module, conv_name: str, conv: nn.Module,
 
 def _pre_activate_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
     """BatchNorm2d, ReLU, Conv2d slots in a row (torchvision's DenseNet transition, pre-activation blocks)."""
-    names, steps, i, found = list(seq._modules), [], 0, False
+    names, steps, i, held = list(seq._modules), [], 0, []
     while i < len(names):
         if i + 2 < len(names) and type(seq._modules[names[i + 1]]) is nn.ReLU:
             bn, relu, conv = (seq._modules[n] for n in names[i:i + 3])
             site = _site(bn, relu, prefix + names[i + 2], conv, report)
             if site is not None:
                 steps.append(site)
-                i, found = i + 3, True
+                held += [(seq, name) for name in names[i:i + 3]]
+                i += 3
                 continue
         steps.append(names[i])
         i += 1
-    if found:
+    if held:
         seq._cudnn_graphs_steps = tuple(steps)
-        seq.forward = _Forward(_pre_activated_sequential_forward, seq)
+        seq.forward = _Forward(_pre_activated_sequential_forward, seq, tuple(held))
 
 
 def _pre_activated_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -507,7 +519,8 @@ def _pre_activate_dense_layer(layer: nn.Module, prefix: str, report: ConversionR
                    getattr(layer, f"conv{i}"), report) for i in (1, 2)]
     if all(s is not None for s in sites):
         layer._cudnn_graphs_sites = tuple(sites)
-        layer.forward = _Forward(_pre_activated_dense_forward, layer)
+        held = tuple((layer, f"{kind}{i}") for i in (1, 2) for kind in ("norm", "relu", "conv"))
+        layer.forward = _Forward(_pre_activated_dense_forward, layer, held)
     else:  # its own forward calls every module: a site made for one half would never be called
         report.prologues = [(w, s) for w, s in report.prologues if s not in sites]
 
