@@ -5,12 +5,14 @@ A run is stages conv_i -> BatchNorm_i -> ReLU_i (every stage but the last has it
 more conv, BatchNorm2d, ReLU slot groups of an nn.Sequential (`_convert.py` finds them). A block's
 downsample (conv -> BatchNorm of the run's input) may be the run's `branch`: its conv sums its statistics
 like a stage's, and the output pass adds its normalised output in place of a residual, so it is never
-written normalised; its input gradient is added to the first stage's in one pass. Forward, per stage: one cuDNN graph runs the conv and sums its
-output per channel (`stats`), reading the previous stage's raw conv output through a
-relu(y * scale + shift) prologue, so no normalised activation is written; a one-block kernel turns the
-sums into mean, 1/std, scale, shift and the running statistics. One pass writes the run's output.
-Backward, per stage: a one-launch, fixed-order reduction and one elementwise pass give dy, dgamma, dbeta; cuDNN's
-dgrad, and its wgrad with the same prologue on its input. From its second call, a run's forward and its
+written normalised; its input gradient is added to the first stage's in one pass.
+
+Forward, per stage: one cuDNN graph runs the conv and sums its output per channel (`stats`), reading the
+previous stage's raw conv output through a relu(y * scale + shift) prologue, so no normalised activation
+is written; a one-block kernel turns the sums into mean, 1/std, scale, shift and the running statistics.
+One pass writes the run's output. Backward, per stage: a one-launch, fixed-order reduction and one
+elementwise pass give dy, dgamma, dbeta; cuDNN's dgrad, and its wgrad with the same prologue on its
+input. From its second call, a run's forward and its
 backward each replay as one re-pointed CUDA graph. Deterministic mode (`torch.use_deterministic_algorithms`,
 `cudnn.deterministic`) sums the statistics with our own fixed-order kernel: cuDNN's genstats does not
 add its blocks in a fixed order.
@@ -236,7 +238,8 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
     """Why this call cannot run fused, or None."""
     if dtype != torch.float16:
         return f"the compute dtype is {dtype} (cuDNN fuses BatchNorm statistics for float16 only)"
-    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) or x.dtype not in (torch.float16, torch.float32):
+    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) \
+            or x.dtype not in (torch.float16, torch.float32):
         return "the input is not a channels-last 4-D float16/float32 tensor"
     if residual is not None and not residual.is_contiguous(memory_format=torch.channels_last):
         return "the residual is not channels-last"
