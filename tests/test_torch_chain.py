@@ -195,11 +195,14 @@ def test_modules_replaced_after_convert_are_the_ones_that_run():
         net[11].relu = twin["act"]          # the activation a BasicBlock's run applies
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     _same_step(ours, base, x)
+    status = {where: chain.status() for where, chain in ours.cudnn_graphs_report.chains}
+    assert all("replaced after convert" in status[w] for w in ("0", "9", "10", "11")), status
     fresh = cgt.convert(_net())
     for clone in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):  # copies watch their own modules
         held = clone[10].forward.held
         assert held[0][0] is clone[10]._modules and held[-1][2] is clone[10].downsample[1]
         assert all(modules.get(name) is m for modules, name, m in held)
+        assert clone[10]._cudnn_graphs_chain.held is held  # the node reports what its forward checks
 
 
 def test_torch_func_transforms_run_the_modules():

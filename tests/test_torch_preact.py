@@ -202,6 +202,10 @@ def test_modules_replaced_after_convert_are_the_ones_that_run():
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    status = dict(model.cudnn_graphs_report.prologues)
+    moved = [w for w, site in status.items() if "replaced after convert" in site.status()]
+    assert moved == ["features.denseblock1.denselayer1.conv1", "features.denseblock1.denselayer1.conv2",
+                     "features.transition1.conv"], moved
 
 
 def test_convert_twice_is_a_no_op():

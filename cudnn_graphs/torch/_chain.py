@@ -128,6 +128,7 @@ class Chain:
         self.stages = tuple(stages)
         self.final_relu = final_relu
         self.branch, self.branch_module = branch, branch_module
+        self.held: tuple = ()  # places(...) of the modules convert found: the report tells when one moved
         self._plans: dict[tuple, Any] = {}
         self._why: str | None = None  # why the last new geometry runs unfused
 
@@ -165,21 +166,26 @@ class Chain:
 
     def status(self) -> str:
         """"fused", "not run yet", or why the last new geometry runs unfused."""
+        if moved(self.held):
+            return f"unfused: {REPLACED}"
         if self._why is not None:
             return f"unfused: {self._why}"
         return "fused" if self._plans else "not run in training yet"
 
     def __deepcopy__(self, memo: dict) -> "Chain":
-        return Chain(copy.deepcopy(list(self.stages), memo), final_relu=self.final_relu,
+        twin = Chain(copy.deepcopy(list(self.stages), memo), final_relu=self.final_relu,
                      branch=copy.deepcopy(self.branch, memo), branch_module=copy.deepcopy(self.branch_module, memo))
+        twin.held = copy.deepcopy(self.held, memo)
+        return twin
 
     def __getstate__(self) -> dict:
         return {"stages": self.stages, "final_relu": self.final_relu, "branch": self.branch,
-                "branch_module": self.branch_module}
+                "branch_module": self.branch_module, "held": self.held}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(list(state["stages"]), final_relu=state["final_relu"], branch=state.get("branch"),
                       branch_module=state.get("branch_module"))
+        self.held = state.get("held", ())
 
     def _params(self) -> list:
         out = []
@@ -257,6 +263,22 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
     if any(not st.relu for st in chain.stages[:-1]):
         return "a stage before the last has no ReLU (cuDNN's prologue is relu(x * scale + shift) only)"
     return None
+
+
+REPLACED = "a module it holds was replaced after convert (the owner's own forward runs; convert a fresh model to fuse it)"
+
+
+def places(held) -> tuple:
+    """(parent._modules, name, module) of each (parent, name): where convert found the modules a node holds."""
+    return tuple((parent._modules, name, parent._modules[name]) for parent, name in held)
+
+
+def moved(held: tuple) -> bool:
+    """Whether one of the `places` now holds another module (SyncBatchNorm's converter, a new downsample)."""
+    for modules, name, module in held:
+        if modules.get(name) is not module:
+            return True
+    return False
 
 
 def hooked(modules) -> bool:

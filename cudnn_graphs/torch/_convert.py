@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from gpu_launch.activations import Activation
 
-from ._chain import Chain, Stage
+from ._chain import Chain, Stage, moved, places
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 from ._preact import PreActivation, eval_affine, why_not_site
 
@@ -189,20 +189,18 @@ class _Forward:
     """A module's replacement forward: `fn(module, *args)`. Unlike a bound method it pickles (the
     function by name, the module by reference) and deep-copies onto the copied module.
 
-    `held`: the (parent, attribute) places of the modules that `fn`'s fused nodes hold. Once one of them
+    `held`: the places (`_chain.places`) of the modules that `fn`'s fused nodes hold. Once one of them
     holds another module (SyncBatchNorm.convert_sync_batchnorm, a new downsample, a swapped activation),
     the module's own class forward runs, with the modules it has now: the nodes would use the old ones."""
 
     __slots__ = ("fn", "module", "held")
 
     def __init__(self, fn, module: nn.Module, held: tuple = ()):
-        self.fn, self.module = fn, module
-        self.held = tuple((parent._modules, name, parent._modules[name]) for parent, name in held)
+        self.fn, self.module, self.held = fn, module, held
 
     def __call__(self, *args, **kwargs):
-        for modules, name, module in self.held:
-            if modules.get(name) is not module:  # replaced after convert: the fused nodes are stale
-                return type(self.module).forward(self.module, *args, **kwargs)
+        if moved(self.held):  # replaced after convert: the fused nodes are stale
+            return type(self.module).forward(self.module, *args, **kwargs)
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
@@ -372,7 +370,8 @@ def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport,
     held = [(block, f"{kind}{i}") for i in range(1, n + 1) for kind in ("conv", "bn")] + [(block, "relu")]
     if branch is not None:
         held += [(block, "downsample"), (block.downsample, "0"), (block.downsample, "1")]
-    block.forward = _Forward(_chained_block_forward, block, tuple(held))
+    block._cudnn_graphs_chain.held = places(held)
+    block.forward = _Forward(_chained_block_forward, block, block._cudnn_graphs_chain.held)
     report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
 
 
@@ -431,8 +430,7 @@ def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport)
         report.chains.append((f"{prefix}{names[start]}", chain))
         held += [(seq, name) for name in names[start:i]]
     if held:
-        seq._cudnn_graphs_steps = tuple(steps)
-        seq.forward = _Forward(_chained_sequential_forward, seq, tuple(held))
+        _hold(seq, steps, _chained_sequential_forward, held)
 
 
 def _note_unchained(seq: nn.Sequential, names: list, start: int, stages: int, prefix: str,
@@ -446,6 +444,17 @@ def _note_unchained(seq: nn.Sequential, names: list, start: int, stages: int, pr
     after = seq._modules[names[start + 1]] if start + 1 < len(names) else None
     if isinstance(conv, nn.Conv2d) and isinstance(after, nn.modules.batchnorm._BatchNorm):
         report.unchained.append((f"{prefix}{names[start]}", _why_not_stage(conv, after)))
+
+
+def _hold(seq: nn.Sequential, steps: list, forward, held: list) -> None:
+    """`seq` runs `steps` (module names and fused nodes) through `forward` while the modules at `held`
+    (its (seq, name) places of the nodes' modules) stay; every node reports when one moved."""
+    seq._cudnn_graphs_steps = tuple(steps)
+    places_ = places(held)
+    for step in steps:
+        if not isinstance(step, str):
+            step.held = places_
+    seq.forward = _Forward(forward, seq, places_)
 
 
 def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -495,8 +504,7 @@ def _pre_activate_sequential(seq: nn.Sequential, prefix: str, report: Conversion
         steps.append(names[i])
         i += 1
     if held:
-        seq._cudnn_graphs_steps = tuple(steps)
-        seq.forward = _Forward(_pre_activated_sequential_forward, seq, tuple(held))
+        _hold(seq, steps, _pre_activated_sequential_forward, held)
 
 
 def _pre_activated_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -519,7 +527,9 @@ def _pre_activate_dense_layer(layer: nn.Module, prefix: str, report: ConversionR
                    getattr(layer, f"conv{i}"), report) for i in (1, 2)]
     if all(s is not None for s in sites):
         layer._cudnn_graphs_sites = tuple(sites)
-        held = tuple((layer, f"{kind}{i}") for i in (1, 2) for kind in ("norm", "relu", "conv"))
+        held = places((layer, f"{kind}{i}") for i in (1, 2) for kind in ("norm", "relu", "conv"))
+        for site in sites:
+            site.held = held
         layer.forward = _Forward(_pre_activated_dense_forward, layer, held)
     else:  # its own forward calls every module: a site made for one half would never be called
         report.prologues = [(w, s) for w, s in report.prologues if s not in sites]

@@ -27,7 +27,7 @@ from gpu_launch.streams import allocate_kept, capture_probe
 
 from ..errors import SpecError, UnsupportedGraphError
 from ..spec import ConvFwdSpec
-from ._chain import _padding, _up, hooked
+from ._chain import REPLACED, _padding, _up, hooked, moved
 from ._conv import planning_session
 
 log = logging.getLogger("cudnn_graphs")
@@ -48,6 +48,7 @@ class PreActivation:
         self._coef: tuple = ((), None)  # (the versions they were made from, (scale16, shift16))
         self._w16: tuple = ((), None)  # under autocast: (the weight version, its float16 copy)
         self._why: str | None = None  # why the last new geometry runs unfused
+        self.held: tuple = ()  # places(...) of the modules convert found: the report tells when one moved
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         launcher = self._fused(x)
@@ -68,18 +69,23 @@ class PreActivation:
 
     def status(self) -> str:
         """"fused", "not run yet", or why the last new geometry runs unfused."""
+        if moved(self.held):
+            return f"unfused: {REPLACED}"
         if self._why is not None:
             return f"unfused: {self._why}"
         return "fused" if any(p is not None for p in self._plans.values()) else "not run in eval yet"
 
     def __deepcopy__(self, memo: dict) -> "PreActivation":
-        return PreActivation(*copy.deepcopy((self.bn, self.relu, self.conv), memo))
+        twin = PreActivation(*copy.deepcopy((self.bn, self.relu, self.conv), memo))
+        twin.held = copy.deepcopy(self.held, memo)
+        return twin
 
     def __getstate__(self) -> dict:
-        return {"modules": (self.bn, self.relu, self.conv)}
+        return {"modules": (self.bn, self.relu, self.conv), "held": self.held}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(*state["modules"])
+        self.held = state.get("held", ())
 
     # -- per call ---------------------------------------------------------------------------------------
 
