@@ -281,6 +281,19 @@ def moved(held: tuple) -> bool:
     return False
 
 
+def why_not_plain(conv: nn.Module, *, bias: str) -> str | None:
+    """Why a converted conv cannot be a fused node's conv (it must be ungrouped, zero-padded, with no bias
+    and no activation of its own), or None; `bias` is what to say of a bias."""
+    act = getattr(conv, "activation", None)
+    for bad, why in ((act is not None and not act.is_identity, "the conv has a fused activation"),
+                     (conv.bias is not None, bias),
+                     (conv.groups != 1, "a grouped conv (cuDNN fuses no per-channel prologue there)"),
+                     (conv.padding_mode != "zeros", f"padding_mode={conv.padding_mode!r}")):
+        if bad:
+            return why
+    return None
+
+
 def hooked(modules) -> bool:
     """Whether a hook watches one of `modules` (a fused node would pass it by): then the modules compute.
     Read per call, as hooks come and go; global module hooks count too."""

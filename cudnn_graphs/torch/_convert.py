@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from gpu_launch.activations import Activation
 
-from ._chain import Chain, Stage, moved, places
+from ._chain import Chain, Stage, moved, places, why_not_plain
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 from ._preact import PreActivation, eval_affine, why_not_site
 
@@ -344,14 +344,10 @@ def _why_not_stage(conv: nn.Module, bn: nn.Module) -> str | None:
         return f"{type(bn).__name__} is not torch's BatchNorm2d"
     if not isinstance(conv, Conv2d) or type(conv).forward is not Conv2d.forward:
         return "the conv is not converted (see 'kept')" if isinstance(conv, nn.Conv2d) else "no Conv2d before it"
-    for bad, why in ((not _identity_epilogue(conv), "the conv has a fused activation"),
-                     (conv.bias is not None, "the conv has a bias (fused runs take bias=False convs)"),
-                     (conv.groups != 1, "a grouped conv (cuDNN fuses no per-channel prologue there)"),
-                     (conv.padding_mode != "zeros", f"padding_mode={conv.padding_mode!r}"),
-                     (bn.num_features != conv.out_channels, "the BatchNorm is not of the conv's channels")):
-        if bad:
-            return why
-    return None
+    why = why_not_plain(conv, bias="the conv has a bias (fused runs take bias=False convs)")
+    if why is None and bn.num_features != conv.out_channels:
+        why = "the BatchNorm is not of the conv's channels"
+    return why
 
 
 def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport, branches: set[int]) -> None:

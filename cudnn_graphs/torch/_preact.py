@@ -27,7 +27,7 @@ from gpu_launch.streams import allocate_kept, capture_probe
 
 from ..errors import SpecError, UnsupportedGraphError
 from ..spec import ConvFwdSpec
-from ._chain import REPLACED, _padding, _up, hooked, moved
+from ._chain import REPLACED, _padding, _up, hooked, moved, why_not_plain
 from ._conv import planning_session
 
 log = logging.getLogger("cudnn_graphs")
@@ -197,15 +197,10 @@ def why_not_site(bn: nn.Module, relu: nn.Module, conv: nn.Module) -> str | None:
         return f"{type(relu).__name__} is not a ReLU (cuDNN's prologue is relu(x * scale + shift))"
     if not isinstance(conv, Conv2d) or type(conv).forward is not Conv2d.forward or "forward" in vars(conv):
         return "the conv is not converted (see 'kept')" if isinstance(conv, nn.Conv2d) else "no Conv2d after it"
-    act = getattr(conv, "activation", None)
-    for bad, why in ((act is not None and not act.is_identity, "the conv has a fused activation"),
-                     (conv.bias is not None, "the conv has a bias (cuDNN fuses no epilogue with the prologue)"),
-                     (conv.groups != 1, "a grouped conv (cuDNN fuses no per-channel prologue there)"),
-                     (conv.padding_mode != "zeros", f"padding_mode={conv.padding_mode!r}"),
-                     (bn.num_features != conv.in_channels, "the BatchNorm is not of the conv's input channels")):
-        if bad:
-            return why
-    return None
+    why = why_not_plain(conv, bias="the conv has a bias (cuDNN fuses no epilogue with the prologue)")
+    if why is None and bn.num_features != conv.in_channels:
+        why = "the BatchNorm is not of the conv's input channels"
+    return why
 
 
 def _scratch(device: int, k: int, stream: int) -> int:
