@@ -24,23 +24,42 @@ from .types import ITEMSIZE, SIXTEEN_AND_32, STORAGE
 CTYPES = {dtype: STORAGE[dtype] for dtype in SIXTEEN_AND_32}
 BLOCK = 256
 MAX_BLOCKS = 132 * 8  # grid-stride loops: a few waves of an H100's SMs cover any size
-TILE, LANES = 32, 16  # the reduction's block: TILE threads (of 1-2 channels) x LANES row lanes (batchnorm.cu)
-REDUCE_BLOCKS = 1056  # reduction blocks to aim for: 4 waves of two 512-thread blocks on 132 SMs
-MIN_CHUNK_ROWS = 128  # fewer rows a block and summing the partials costs more than it saves
-
-
-def chunk_rows(rows: int, tiles: int) -> int:
-    """Rows one reduction block sums, from the shape alone (deterministic). A fixed 1024 left a 64-channel
-    56x56 layer at batch 64 with 196 blocks, under one wave: the reduction ran at 38% of the bandwidth."""
-    per_block = -(-rows // max(1, REDUCE_BLOCKS // tiles))
-    return -(-max(MIN_CHUNK_ROWS, per_block) // 64) * 64
+THREADS = 256  # a reduction block: TX channel groups x THREADS / TX row lanes (batchnorm.cu)
 NULL = 0
+UNROLL = 4  # rows a reduction thread loads at once (BN_UNROLL in batchnorm.cu)
+REDUCE_WAVES = 1  # reduction blocks: this many waves of 2 an SM
+
+
+def chunk_rows(rows: int, tiles: int, *, lanes: int, blocks: int) -> int:
+    """Rows one reduction block sums, from the shape and the grid's size alone (deterministic on one GPU):
+    `blocks` blocks over `tiles` channel tiles, a multiple of the rows a block loads at once. One wave of
+    equal blocks leaves no tail but the last block's sum of the partials, which grows with the block count:
+    4 waves (1056 blocks) left a 64-channel 56x56 layer at batch 64 at 1.5 TB/s."""
+    step = lanes * UNROLL
+    per_block = -(-rows // max(1, blocks // tiles))
+    return -(-max(step, per_block) // step) * step
+
+
+def reduce_layout(dtype: str, channels: int) -> tuple[int, int]:
+    """(RV, TX) of the reductions: RV channels a thread, TX threads across a row's tile of RV * TX channels.
+    16-byte loads where the channel count allows, 8 threads a row (64 float16 channels a tile, 32 rows a
+    block: more tiles and fewer chunks a tile than 16 or 32 threads a row gave, whose last blocks' sums of
+    the partials cost up to 40% more on ResNet-50's small layers, H100); else 1-2 channels a thread, 32 a row."""
+    v = 16 // ITEMSIZE[dtype]
+    if channels % v == 0:
+        return v, 8
+    return (2 if channels % 2 == 0 else 1), 32
+
+
+def _layouts(dtype: str) -> list[tuple[int, int]]:
+    return [(1, 32), (2, 32), (16 // ITEMSIZE[dtype], 8)]
 
 
 def _names(dtype: str) -> dict[str, str]:
     t = CTYPES[dtype]
-    return {"finalize": f"bn_finalize<{t}>", **{f"reduce{v}": f"bn_bwd_reduce<{t}, {v}>" for v in (1, 2)},
-            **{f"stats{v}": f"bn_stats<{t}, {v}>" for v in (1, 2)},
+    return {"finalize": f"bn_finalize<{t}>",
+            **{f"reduce{v}x{tx}": f"bn_bwd_reduce<{t}, {v}, {tx}>" for v, tx in _layouts(dtype)},
+            **{f"stats{v}x{tx}": f"bn_stats<{t}, {v}, {tx}>" for v, tx in _layouts(dtype)},
             **{f"apply{v}": f"bn_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])},
             **{f"bwd_apply{v}": f"bn_bwd_apply<{t}, {v}>" for v in (1, 16 // ITEMSIZE[dtype])}}
 
@@ -97,22 +116,28 @@ class BatchNormKernels:
         n, c = rows * channels, channels
         vec = vector_width(dtype, c)
         grid = max(1, min(-(-n // (BLOCK * vec)), MAX_BLOCKS))
-        rv = 2 if c % 2 == 0 else 1  # channels a reduction thread owns
-        tiles = -(-c // (TILE * rv))
-        chunk = chunk_rows(rows, tiles)
+        rv, tx = reduce_layout(dtype, c)
+        tiles = -(-c // (rv * tx))
+        chunk = chunk_rows(rows, tiles, lanes=THREADS // tx, blocks=REDUCE_WAVES * 2 * driver.multiprocessors(device))
         self.chunks = -(-rows // chunk)
         self.partials_bytes = 2 * self.chunks * c * 4
         i32, i64 = ctypes.c_int32, ctypes.c_int64
         self._finalize_args = [*_ptrs(11), i32(c), ctypes.c_double(rows), ctypes.c_float(1e-5), ctypes.c_float(0.1)]
-        self._finalize = _Launch(fns["finalize"], 1, BLOCK, self._finalize_args, device)
-        self._apply_args = [*_ptrs(7), i64(n), i32(c), i32(1)]
+        # one block (its counter is read before it is written), a thread a channel up to 1024: each thread's
+        # channels are dependent round trips to memory, and 256 threads took 4-8 of them on C = 1024-2048
+        fin_threads = min(1024, -(-c // 32) * 32)
+        self._finalize = _Launch(fns["finalize"], 1, fin_threads, self._finalize_args, device)
+        self.bits = vec == 8  # apply can write the ReLU's mask as bits, which the backward reads
+        self.bits_bytes = n // 8 if self.bits else 0
+        self._apply_args = [*_ptrs(8), i64(n), i32(c), i32(1)]
         self._apply = _Launch(fns[f"apply{vec}"], grid, BLOCK, self._apply_args, device)
         self.tiles = tiles  # counters a reduction needs (one per tile, zero between launches)
         red = [i64(rows), i32(c), i64(chunk), i64(self.chunks)]
-        self._reduce_args = [*_ptrs(13), *red, i32(1)]
-        self._reduce = _Launch(fns[f"reduce{rv}"], (tiles, self.chunks), (TILE, LANES), self._reduce_args, device)
-        self._stats = _Launch(fns[f"stats{rv}"], (tiles, self.chunks), (TILE, LANES), [*_ptrs(5), *red], device)
-        self._bwd_args = [*_ptrs(9), i64(n), i32(c), i32(1)]
+        self._reduce_args = [*_ptrs(14), *red, i32(1)]
+        blocks = (tiles, self.chunks)
+        self._reduce = _Launch(fns[f"reduce{rv}x{tx}"], blocks, THREADS, self._reduce_args, device)
+        self._stats = _Launch(fns[f"stats{rv}x{tx}"], blocks, THREADS, [*_ptrs(5), *red], device)
+        self._bwd_args = [*_ptrs(10), i64(n), i32(c), i32(1)]
         self._bwd_apply = _Launch(fns[f"bwd_apply{vec}"], grid, BLOCK, self._bwd_args, device)
 
     def stats(self, stream: int, *, y: int, partials: int, sum: int, sq_sum: int, counters: int) -> None:
@@ -132,28 +157,35 @@ class BatchNormKernels:
                        mean, invstd)
 
     def apply(self, stream: int, *, y: int, scale: int, shift: int, out: int, relu: bool, residual: int = NULL,
-              scale2: int = NULL, shift2: int = NULL) -> None:
-        """out = [relu](y * scale + shift [+ residual | + residual * scale2 + shift2]); 0 = absent."""
+              scale2: int = NULL, shift2: int = NULL, bits: int = NULL) -> None:
+        """out = [relu](y * scale + shift [+ residual | + residual * scale2 + shift2]); 0 = absent. `bits`
+        (`bits_bytes`, where `self.bits`) receives out > 0 a bit a value, for `backward`'s mask."""
+        if bits and not self.bits:
+            raise ValueError(f"bits: this geometry writes no mask bits ({self._apply_args[-2].value} channels)")
         self._apply_args[-1].value = int(relu)
-        self._apply(stream, y, scale, shift, residual, scale2, shift2, out)
+        self._apply(stream, y, scale, shift, residual, scale2, shift2, out, bits)
 
     def add(self, stream: int, *, a: int, b: int, out: int) -> None:
         """out = a + b, elementwise over this stage's rows x channels (summed in float32, rounded once,
         as torch adds float16 tensors)."""
         self._apply_args[-1].value = 0
-        self._apply(stream, a, NULL, NULL, b, NULL, NULL, out)
+        self._apply(stream, a, NULL, NULL, b, NULL, NULL, out, NULL)
 
     def backward(self, stream: int, *, da: int, y: int, out: int, scale: int, shift: int, gamma: int, mean: int,
                  invstd: int, partials: int, coef: int, dgamma: int, dbeta: int, dy: int, relu: bool, counters: int,
-                 dz: int = NULL) -> None:
+                 dz: int = NULL, bits: int = NULL) -> None:
         """dy (and dgamma, dbeta) from da, the gradient of the stage's activation. The relu's mask comes
-        from `out` (the stored activation) where given, else from y * scale + shift. `partials` holds
-        `partials_bytes`, `coef` 3 * channels float32; `dz` receives the gradient before the BatchNorm
-        (a residual input's gradient) where given; `counters` as for `stats`."""
+        from `bits` (what `apply` wrote) where given, else `out` (the stored activation) where given, else
+        from y * scale + shift. `partials` holds `partials_bytes`, `coef` 3 * channels float32; `dz`
+        receives the gradient before the BatchNorm (a residual input's gradient) where given; `counters`
+        as for `stats`."""
+        if bits and not self.bits:
+            raise ValueError(f"bits: this geometry reads no mask bits ({self._bwd_args[-2].value} channels)")
         self._reduce_args[-1].value = int(relu)
-        self._reduce(stream, da, y, out, scale, shift, gamma, mean, invstd, partials, dgamma, dbeta, coef, counters)
+        self._reduce(stream, da, y, out, bits, scale, shift, gamma, mean, invstd, partials, dgamma, dbeta, coef,
+                     counters)
         self._bwd_args[-1].value = int(relu)
-        self._bwd_apply(stream, da, y, out, scale, shift, mean, coef, dy, dz)
+        self._bwd_apply(stream, da, y, out, bits, scale, shift, mean, coef, dy, dz)
 
 
 class Cast:

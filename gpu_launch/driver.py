@@ -103,6 +103,7 @@ def device_count() -> int:
 
 
 _ATTR_CC_MAJOR, _ATTR_CC_MINOR = 75, 76  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+_ATTR_SMS = 16  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,6 +114,15 @@ def compute_capability(ordinal: int) -> tuple[int, int]:
     _check(cuda.cuDeviceGetAttribute(ctypes.byref(major), _ATTR_CC_MAJOR, dev), "cuDeviceGetAttribute")
     _check(cuda.cuDeviceGetAttribute(ctypes.byref(minor), _ATTR_CC_MINOR, dev), "cuDeviceGetAttribute")
     return major.value, minor.value
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(ordinal: int) -> int:
+    """The SM count of device `ordinal`, asked of the driver once per process."""
+    cuda, dev, count = lib(), ctypes.c_int(0), ctypes.c_int(0)
+    _check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(cuda.cuDeviceGetAttribute(ctypes.byref(count), _ATTR_SMS, dev), "cuDeviceGetAttribute")
+    return count.value
 
 
 def new_stream() -> int:

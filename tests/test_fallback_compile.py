@@ -115,9 +115,9 @@ def test_batchnorm_kernels_compile_without_local_memory(arch):
 
     found = kc.ptxas_resources("batchnorm.cu", batchnorm.name_expressions(), arch)
     assert set(found) == set(batchnorm.name_expressions())
-    for name, res in found.items():  # elementwise and reduction passes: registers only, 4+ blocks an SM
+    for name, res in found.items():  # registers only; the backward reduction's 3x4 rows in flight take ~114
         assert res["stack_bytes"] == 0 and res["spill_stores"] == 0, (name, res)
-        assert res["registers"] <= 64, (name, res)
+        assert res["registers"] <= (128 if name.startswith("bn_bwd_reduce") else 80), (name, res)
 
 
 def test_batchnorm_vector_width_follows_the_channel_count():
@@ -127,12 +127,21 @@ def test_batchnorm_vector_width_follows_the_channel_count():
     assert batchnorm.vector_width("float16", 20) == 1 and batchnorm.vector_width("float32", 20) == 4
 
 
-def test_batchnorm_reduction_chunks_fill_the_gpu_from_the_shape_alone():
-    from fallback_kernels.batchnorm import MIN_CHUNK_ROWS, REDUCE_BLOCKS, chunk_rows
+def test_batchnorm_reductions_read_16_bytes_a_thread_where_the_channels_allow():
+    from fallback_kernels.batchnorm import reduce_layout
 
-    for rows, tiles in ((200704, 1), (200704, 4), (50176, 2), (3136, 32), (12544, 16), (7, 1)):
-        chunk = chunk_rows(rows, tiles)
-        assert chunk % 64 == 0 and chunk >= MIN_CHUNK_ROWS
+    assert reduce_layout("float16", 64) == (8, 8) and reduce_layout("float16", 2048) == (8, 8)
+    assert reduce_layout("bfloat16", 24) == (8, 8) and reduce_layout("float32", 64) == (4, 8)
+    assert reduce_layout("float16", 20) == (2, 32)
+    assert reduce_layout("float16", 7) == (1, 32)
+
+
+def test_batchnorm_reduction_chunks_fill_the_gpu_from_the_shape_alone():
+    from fallback_kernels.batchnorm import UNROLL, chunk_rows
+
+    for rows, tiles, lanes in ((200704, 1, 32), (200704, 4, 8), (50176, 2, 8), (3136, 8, 8), (12544, 1, 16), (7, 1, 32)):
+        chunk = chunk_rows(rows, tiles, lanes=lanes, blocks=264)
+        assert chunk % (lanes * UNROLL) == 0 and chunk > 0  # whole unrolled steps a block
         blocks = tiles * -(-rows // chunk)
-        assert blocks <= REDUCE_BLOCKS or chunk == MIN_CHUNK_ROWS
-        assert chunk_rows(rows, tiles) == chunk  # deterministic: the same sums in the same order
+        assert blocks <= 264 or chunk == lanes * UNROLL  # one wave, unless the rows are too few to share
+        assert chunk_rows(rows, tiles, lanes=lanes, blocks=264) == chunk  # the same sums in the same order

@@ -68,7 +68,8 @@ def _up(n: int) -> int:
 class _StagePlan:
     """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
-    def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int, keep_dx: bool = False):
+    def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int, keep_dx: bool = False,
+                 mask: bool = False):
         # Deterministic sessions sum the statistics again in our fixed order, over cuDNN's: its genstats does
         # not add in a fixed order (bit-different sums call to call with deterministic plans, H200, cuDNN
         # 9.19), and the prologue conv has no engine without genstats.
@@ -97,6 +98,10 @@ class _StagePlan:
         self.w16 = self.shift + _up(k * _F16)
         self.stats_partials = self.w16 + w_bytes  # deterministic statistics' partial sums
         self.fwd_bytes = self.stats_partials + (_up(self.bn.partials_bytes) if self.own_stats else 0)
+        # `mask` (a run's last stage, ending in a ReLU): the output pass writes the ReLU's mask a bit a value
+        # here, and the backward reads it in place of the float16 output (1/16 of its bytes, twice a step)
+        self.bits = self.fwd_bytes if mask and self.bn.bits else None
+        self.fwd_bytes += _up(self.bn.bits_bytes) if self.bits is not None else 0
         # The backward's pieces of this stage (offsets within the run's one backward allocation): dy, the
         # reduction's coefficients and partials, the float16 dw, then dx where another stage reads it or it
         # is one of two input gradients to add (`keep_dx`: the first stage and the branch of a block).
@@ -220,7 +225,8 @@ class Chain:
             try:
                 plans, shape, split = [], tuple(x.shape), self.branch is not None
                 for i, st in enumerate(self.stages):
-                    plans.append(_StagePlan(st, shape, i > 0, session, device, keep_dx=i == 0 and split))
+                    plans.append(_StagePlan(st, shape, i > 0, session, device, keep_dx=i == 0 and split,
+                                            mask=i == len(self.stages) - 1 and self.final_relu))
                     shape = plans[-1].y_shape
                     if plans[-1].rows < 2:
                         why = "one value per channel (torch's BatchNorm raises: let it say so)"
@@ -399,8 +405,10 @@ class _Program:
             self._stage_forward(self.stages, stage_ptrs[self.stages], x16, None, stream)
             r16 = stage_ptrs[self.stages][1]
             scale2, shift2 = r16 + self.branch.scale, r16 + self.branch.shift
-        self.plans[self.stages - 1].bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out,
-                                             relu=self.final_relu, residual=r16, scale2=scale2, shift2=shift2)
+        last = self.plans[self.stages - 1]
+        bits = 0 if last.bits is None else stage_ptrs[self.stages - 1][1] + last.bits
+        last.bn.apply(stream, y=inp, scale=prev[0], shift=prev[1], out=out, relu=self.final_relu, residual=r16,
+                      scale2=scale2, shift2=shift2, bits=bits)
 
     def _stage_forward(self, i: int, ptrs: tuple, inp: int, prev: tuple | None, stream: int) -> None:
         """Stage i's conv with its statistics (through the previous stage's prologue where `prev`), then
@@ -456,11 +464,12 @@ class _Program:
                         stream: int) -> int:
         """Stage (or branch) i's BatchNorm backward and wgrad, and for a stage after the first its dgrad;
         returns where the previous stage's activation gradient is. The last stage and the branch read the
-        run's incoming gradient, masked by the stored output where the run ends in a ReLU."""
+        run's incoming gradient, masked (where the run ends in a ReLU) by the output pass's bits or output."""
         plan, (buf, _, gamma, dw) = self.plans[i], stage_ptrs[i]
         sb, ends = bwd + self.bwd_offsets[i], i >= self.stages - 1
         d_gb = dgb + 4 * self.dgb_offsets[i]
-        plan.bn.backward(stream, da=da, y=buf, out=out if ends and self.final_relu else 0,
+        stored, bits = self._mask(stage_ptrs, out) if ends and self.final_relu else (0, 0)
+        plan.bn.backward(stream, da=da, y=buf, out=stored, bits=bits,
                          scale=buf + plan.scale, shift=buf + plan.shift, gamma=gamma, mean=buf + plan.mean,
                          invstd=buf + plan.invstd, partials=sb + plan.partials, coef=sb + plan.coef,
                          dgamma=d_gb if self.affine[i] else 0, dbeta=d_gb + 4 * plan.k if self.affine[i] else 0, dy=sb,
@@ -473,6 +482,12 @@ class _Program:
         self._prep(plan.wgrad, stream)((pb, pb + prev.scale, pb + prev.shift, sb, dw_out))
         self._prep(plan.dgrad, stream)((sb, self._w16(i, stage_ptrs), sb + plan.dx))
         return sb + plan.dx
+
+    def _mask(self, stage_ptrs, out: int) -> tuple[int, int]:
+        """(stored output, bits) the backward of a run ending in a ReLU reads its mask from: the bits the
+        output pass wrote into the last stage's buffer where it could, else the output."""
+        last = self.plans[self.stages - 1]
+        return (out, 0) if last.bits is None else (0, stage_ptrs[self.stages - 1][0] + last.bits)
 
     def run_forward(self, ptrs: tuple, stream: int) -> None:
         self._streams[threading.get_ident()] = stream
@@ -539,7 +554,8 @@ class _ChainFunction(torch.autograd.Function):
         program.run_forward(tuple(ptrs), torch._C._cuda_getCurrentRawStream(x.get_device()))
         ctx.program, ctx.x_dtype = program, x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
-        ctx.save_for_backward(x16, out if chain.final_relu else None, *bufs, *weights, *params)
+        stored = chain.final_relu and program.plans[program.stages - 1].bits is None  # else bits in its buffer
+        ctx.save_for_backward(x16, out if stored else None, *bufs, *weights, *params)
         if residual is not None and residual.dtype != torch.float16:  # torch's type promotion of the add
             return out.to(torch.promote_types(torch.float16, residual.dtype))
         return out
