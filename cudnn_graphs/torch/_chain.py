@@ -391,10 +391,8 @@ class _Program:
         x16, r16, out = ptrs[0], ptrs[1], ptrs[2]
         stage_ptrs = [ptrs[3 + 7 * i: 10 + 7 * i] for i in range(len(self.plans))]
         if self.to_half:
-            casts = [(w, buf + p.w16) for (w, buf, *_), p, c in zip(stage_ptrs, self.plans, self.cast) if c]
-            for n, cast in enumerate(self.to_half):
-                group = casts[n * MAX_CAST:(n + 1) * MAX_CAST]
-                cast(stream, [c[0] for c in group], [c[1] for c in group])
+            _cast(self.to_half, [(w, buf + p.w16) for (w, buf, *_), p, c in zip(stage_ptrs, self.plans, self.cast)
+                                 if c], stream)
         inp, prev = x16, None
         for i in range(self.stages):
             self._stage_forward(i, stage_ptrs[i], inp, prev, stream)
@@ -450,11 +448,8 @@ class _Program:
             else:
                 self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), dx))
         if self.to_float:
-            pairs = [(bwd + self.bwd_offsets[i] + p.dw16, stage_ptrs[i][3])
-                     for i, (p, c) in enumerate(zip(self.plans, self.cast)) if c]
-            for n, cast in enumerate(self.to_float):
-                group = pairs[n * MAX_CAST:(n + 1) * MAX_CAST]
-                cast(stream, [a for a, _ in group], [b for _, b in group])
+            _cast(self.to_float, [(bwd + self.bwd_offsets[i] + p.dw16, stage_ptrs[i][3])
+                                  for i, (p, c) in enumerate(zip(self.plans, self.cast)) if c], stream)
 
     def _w16(self, i: int, stage_ptrs) -> int:
         buf, w = stage_ptrs[i][0], stage_ptrs[i][1]
@@ -501,6 +496,13 @@ class _Program:
             replay = self.backward[variant] = Replay(run, ordinal=self.device, label=f"{self._label} backward")
         self._streams[threading.get_ident()] = stream
         _replayed(replay, replay.run, ptrs, stream)
+
+
+def _cast(launches: list, pairs: list, stream: int) -> None:
+    """(source, destination) pointer pairs through their Cast launches, MAX_CAST a launch, in order."""
+    for n, cast in enumerate(launches):
+        group = pairs[n * MAX_CAST:(n + 1) * MAX_CAST]
+        cast(stream, [a for a, _ in group], [b for _, b in group])
 
 
 def _replayed(replay: Replay, run, ptrs: tuple, stream: int) -> None:
