@@ -70,7 +70,8 @@ def _run(bn, t, half, mask):
     bn.stats(stream, y=half["y"].data_ptr(), partials=partials.data_ptr(), sum=out["sum"].data_ptr(),
              sq_sum=out["sq_sum"].data_ptr(), counters=counters.data_ptr())
     bits = _bits(bn, half) if mask == "bits" else None
-    bn.backward(stream, da=half["da"].data_ptr(), y=half["y"].data_ptr(), out=half["a"].data_ptr() if mask == "stored" else 0,
+    stored = half["a"].data_ptr() if mask == "stored" else 0
+    bn.backward(stream, da=half["da"].data_ptr(), y=half["y"].data_ptr(), out=stored,
                 bits=0 if bits is None else bits.data_ptr(),
                 scale=half["scale"].data_ptr(), shift=half["shift"].data_ptr(), gamma=t["gamma"].data_ptr(),
                 mean=t["mean"].data_ptr(), invstd=t["invstd"].data_ptr(), partials=partials.data_ptr(),

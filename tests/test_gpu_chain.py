@@ -108,12 +108,13 @@ def parameters_and_buffers_close(ours, theirs, ref):
 
 
 def _run(block, chain, x, r, g, autocast):
+    """r: a residual tensor, None, or "input": the input itself (a block's identity: x gets both gradients)."""
     xs = x.detach().clone().requires_grad_(True)
-    rs = None if r is None else r.detach().clone().requires_grad_(True)
+    rs = xs if r == "input" else None if r is None else r.detach().clone().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
         out = chain(xs, rs) if chain is not None else block(xs, rs)
     out.backward(g)
-    return out, xs.grad, None if rs is None else rs.grad
+    return out, xs.grad, None if rs is None or rs is xs else rs.grad
 
 
 CASES = {
@@ -126,6 +127,8 @@ CASES = {
     "no-running-stats": dict(bn_kwargs=dict(track_running_stats=False)),
     "eps-momentum": dict(bn_kwargs=dict(eps=1e-3, momentum=0.3)),
     "odd-channels": dict(c=24, mid=40, k=24, residual=True),
+    "residual-is-input": dict(residual="input"),  # torchvision's identity: the dgrad adds dz in its epilogue
+    "residual-is-input-odd": dict(c=24, mid=40, k=24, residual="input"),
 }
 
 
@@ -148,18 +151,23 @@ def test_chain_matches_torch_in_float64(name, autocast):
         x = torch.randn(n, c, hw, hw, device="cuda", dtype=dtype).to(memory_format=CL)
         k, o = block.convs[2].out_channels, hw // stride
         r = torch.randn(n, k, o, o, device="cuda", dtype=dtype).to(memory_format=CL) if residual else None
+        r = "input" if residual == "input" else r
         g = torch.randn(n, k, o, o, device="cuda", dtype=dtype).to(memory_format=CL)
         out, dx, dr = _run(ours, chain, x, r, g, autocast)
         t_out, t_dx, t_dr = _run(theirs, None, x, r, g, autocast)
-        ref_out, ref_dx, ref_dr = _run(ref, None, x.double(), None if r is None else r.double(), g.double(), False)
+        ref_r = r if r is None or r == "input" else r.double()
+        ref_out, ref_dx, ref_dr = _run(ref, None, x.double(), ref_r, g.double(), False)
         # AMP (float32 parameters) runs fused; a .half() model's float16 BatchNorm parameters run torch's
         assert (chain.status() == "fused") == autocast, chain.status()
         assert out.dtype == t_out.dtype and out.is_contiguous(memory_format=CL)
         assert dx.dtype == x.dtype
         close(out, t_out, ref_out, "output")
         close(dx, t_dx, ref_dx, "input gradient")
-        if residual:
+        if residual is True:
             close(dr, t_dr, ref_dr, "residual gradient")
+        if residual == "input" and autocast:  # the one node sums x's gradients
+            program, = chain._plans.values()
+            assert program is not None and program.shared
         parameters_and_buffers_close(ours, theirs, ref)
 
 
@@ -295,6 +303,7 @@ REPLAY_CASES = {
     "no-residual": dict(residual=False),        # the output pass's residual pointer is null
     "no-affine": dict(bn_kwargs=dict(affine=False)),  # no gamma, no dgamma / dbeta
     "no-input-grad": dict(input_grad=False),    # no dgrad of the first stage
+    "residual-is-input": dict(residual="input"),  # x's two gradients summed in the node
 }
 
 
@@ -318,7 +327,7 @@ def test_replayed_calls_equal_direct_ones_bit_for_bit(name):
     try:
         for _ in range(4):
             xs = x.detach().clone().requires_grad_(input_grad)
-            rs = None if r is None else r.clone().requires_grad_(True)
+            rs = xs if residual == "input" else None if r is None else r.clone().requires_grad_(True)
             with torch.autocast("cuda", dtype=torch.float16):
                 out = chain(xs, rs)
             out.backward(g)

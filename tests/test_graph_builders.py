@@ -94,6 +94,19 @@ def test_dgrad_variants_validate(act, nd, fused):
         assert "pre_act" in build.parts[-1].roles
 
 
+@pytest.mark.parametrize("act", ["identity", "relu"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_dgrad_adds_a_residual_gradient_in_its_epilogue(act, fused):
+    """dx = dgrad(dy, w) [* act'] + z: the add is the epilogue's last node and z a bound role."""
+    spec = ConvBwdDataSpec((2, 8, 8, 8), (8, 16, 1, 1), (2, 16, 8, 8), dtype="float16", layout="channels_last",
+                           activation_backward=act, residual=True)
+    build = build_graph(spec, fused=fused)
+    assert {r for part in build.parts for r in part.roles} - {"acc"} == set(spec.tensors())
+    assert "z" in build.parts[-1].roles and build.fused == fused
+    assert _nodes(build.parts[-1])[-1][0] == "residual"
+    assert build.parts[-1].name.endswith("residual_backward")
+
+
 @pytest.mark.parametrize("nd", [1, 2, 3])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias_grad", [False, True])

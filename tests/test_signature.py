@@ -133,6 +133,7 @@ SPEC_CHANGES = [
     ("bwd_data", "dy_shape(+x_shape)", {}, dict(dy_shape=(4, 16, 16, 16), x_shape=(4, 8, 16, 16))),
     ("bwd_data", "w_shape", {}, dict(w_shape=(32, 8, 3, 3), dy_shape=(2, 32, 16, 16))),
     ("bwd_data", "activation_backward", {}, dict(activation_backward="relu")),
+    ("bwd_data", "residual", {}, dict(residual=True)),
     ("bwd_data", "activation_backward_param", dict(activation_backward=("leaky_relu", 0.01)),
      dict(activation_backward=("leaky_relu", 0.02))),
     ("bwd_filter", "padding", {}, dict(padding=0, dy_shape=(2, 16, 14, 14))),

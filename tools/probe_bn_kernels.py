@@ -6,10 +6,11 @@ achieved bandwidth, this source against another one.
 
 Per layer (batch 64 by default, float16, channels-last rows x channels) and launch -- the statistics, the
 backward reduction with the mask from y * scale + shift, a stored output or the output pass's bits, the
-backward pass with and without the residual's gradient, the output pass plain and with a downsample's BatchNorm -- the device us per
-call (median of blocks of back-to-back calls behind a GPU sleep) and GB/s of the bytes it must move, for the
-current source (and, with --waves, its reduction grid at other sizes) and, with --before, another version's fallback_kernels folder (its launcher and kernels,
-imported as a package of their own), with the largest difference between the two versions' outputs.
+backward pass with and without the residual's gradient, the output pass plain and with a downsample's
+BatchNorm -- the device us per call (median of blocks of back-to-back calls behind a GPU sleep) and GB/s of
+the bytes it must move, for the current source (and, with --waves, its reduction grid at other sizes) and,
+with --before, another version's fallback_kernels folder (its launcher and kernels, imported as a package of
+their own), with the largest difference between the two versions' outputs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ LAYERS = ((56, 64), (56, 256), (28, 128), (28, 512), (14, 256), (14, 1024), (7, 
 
 def _package(folder: Path, name: str):
     """`folder` (a fallback_kernels tree) imported as package `name`; its relative imports stay inside it."""
-    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -50,7 +52,8 @@ def _buffers(torch, rows: int, c: int, chunks_bytes: int) -> dict:
             "bits": torch.zeros(rows * c // 8 + 16, device="cuda", dtype=torch.uint8),
             "rm": torch.zeros(c, device="cuda"), "rv": torch.ones(c, device="cuda"),
             "nbt": torch.zeros(1, dtype=torch.int64, device="cuda"),
-            "f_scale": torch.empty(c, device="cuda", dtype=torch.half), "f_shift": torch.empty(c, device="cuda", dtype=torch.half),
+            "f_scale": torch.empty(c, device="cuda", dtype=torch.half),
+            "f_shift": torch.empty(c, device="cuda", dtype=torch.half),
             "f_mean": torch.empty(c, device="cuda"), "f_invstd": torch.empty(c, device="cuda")}
 
 

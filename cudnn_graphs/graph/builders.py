@@ -207,7 +207,8 @@ def _genstats(b: _Builder, spec: ConvFwdSpec, y: Any) -> None:
 
 def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any, acc_dtype: str) -> GraphBuild:
     t = spec.tensors()
-    conv = _Builder(spec, "conv_bwd_data" + ("+act_backward" if fused and spec.has_epilogue else ""), handle)
+    epilogue = _DGRAD_EPILOGUE[(not spec.activation_backward.is_identity, spec.residual)]
+    conv = _Builder(spec, "conv_bwd_data" + (f"+{epilogue}" if fused and spec.has_epilogue else ""), handle)
     dx = conv.graph.conv_dgrad(loss=conv.input("dy", t["dy"]), filter=conv.input("w", t["w"]),
                                compute_data_type=_compute(spec), name="dgrad", **_conv_params(spec))
     if not spec.has_epilogue:
@@ -217,16 +218,27 @@ def _dgrad(spec: ConvBwdDataSpec, *, fused: bool, handle: Any, acc_dtype: str) -
     if fused:
         dims, strides = cudnn_dims(acc)
         dx.set_dim(dims).set_stride(strides)  # virtual, but dgrad cannot infer dx's extent alone
-        out = activation_backward(conv.graph, dx, conv.input("pre_act", t["pre_act"]),
-                                  spec.activation_backward, conv.scalars)
-        conv.output(out, "dx", t["dx"])
+        conv.output(_dgrad_epilogue(conv, spec, t, dx), "dx", t["dx"])
         return GraphBuild(spec, True, (conv.part(),), {})
     conv.output(dx, "acc", acc)
-    epi = _Builder(spec, "act_backward", handle)
-    out = activation_backward(epi.graph, epi.input("acc", acc), epi.input("pre_act", t["pre_act"]),
-                              spec.activation_backward, epi.scalars)
-    epi.output(out, "dx", t["dx"])
+    epi = _Builder(spec, epilogue, handle)
+    epi.output(_dgrad_epilogue(epi, spec, t, epi.input("acc", acc)), "dx", t["dx"])
     return GraphBuild(spec, False, (conv.part(), epi.part()), {"acc": acc})
+
+
+# The epilogue part's name by (activation backward, residual): "act_backward" names the fallback kernel of
+# the first (plan/parts.py); the others have none, so an unfused build with an io-dtype acc is declined.
+_DGRAD_EPILOGUE = {(False, False): "", (True, False): "act_backward", (False, True): "residual_backward",
+                   (True, True): "act_residual_backward"}
+
+
+def _dgrad_epilogue(b: "_Builder", spec: ConvBwdDataSpec, t: dict, dx: Any) -> Any:
+    """dx [* act'(pre_act)] [+ z] in graph b."""
+    if not spec.activation_backward.is_identity:
+        dx = activation_backward(b.graph, dx, b.input("pre_act", t["pre_act"]), spec.activation_backward, b.scalars)
+    if spec.residual:
+        dx = b.graph.add(a=dx, b=b.input("z", t["z"]), name="residual")
+    return dx
 
 
 # -- backward filter -------------------------------------------------------------------------------

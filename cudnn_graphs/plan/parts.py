@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from ..errors import UnsupportedGraphError
 from ..graph import build_graph
 from ..spec import dtypes
 
@@ -21,7 +22,7 @@ def kernel_part(spec, name: str, intermediates: dict, device: int, compiled: tup
         return epilogue.act_backward(spec, intermediates["acc"], device, compiled)
     if name == "bias_grad":
         return epilogue.bias_grad(spec, device, compiled)
-    raise AssertionError(f"no fallback kernel for graph part {name!r}")
+    raise UnsupportedGraphError(spec, f"no fallback kernel for graph part {name!r}")
 
 
 def stored_kernel(entry: dict, blobs: list) -> tuple | None:

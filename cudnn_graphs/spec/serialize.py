@@ -16,14 +16,15 @@ def spec_to_dict(spec: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"schema": SPEC_SCHEMA_VERSION, "op": spec.op}
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
-        if f.init and not (f.name in _OMITTED_AT_DEFAULT and value == f.default):
+        if f.init and not ((spec.op, f.name) in _OMITTED_AT_DEFAULT and value == f.default):
             out[f.name] = _plain(f.name, value)
     return out
 
 
 # Fields added after schema 1 shipped: left out at their defaults, so every earlier spec keeps its dict
 # form and signature (stored plans stay valid), and an older reader refuses only specs that use them.
-_OMITTED_AT_DEFAULT = frozenset(("prologue", "stats"))
+_OMITTED_AT_DEFAULT = frozenset((("conv_fwd", "prologue"), ("conv_fwd", "stats"), ("conv_bwd_filter", "prologue"),
+                                 ("conv_bwd_data", "residual")))
 
 
 def _plain(name: str, value: Any) -> Any:

@@ -188,15 +188,17 @@ class ConvFwdSpec(_ConvSpec):
 
 @dataclass(frozen=True)
 class ConvBwdDataSpec(_ConvSpec):
-    """Data gradient dx = dgrad(dy, w), optionally times act'(pre_act) of the forward activation."""
+    """Data gradient dx = dgrad(dy, w), optionally times act'(pre_act) of the forward activation, optionally
+    plus z: the gradient x also receives by another path (a residual connection's), added in the epilogue."""
 
     op: ClassVar[str] = "conv_bwd_data"
-    stride_roles: ClassVar[tuple[str, ...]] = ("dy", "w", "dx", "pre_act")
+    stride_roles: ClassVar[tuple[str, ...]] = ("dy", "w", "dx", "pre_act", "z")
 
     dy_shape: Any
     w_shape: Any
     x_shape: Any
     activation_backward: Any = field(default=None, kw_only=True)
+    residual: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
         x = geometry.shape("x_shape", self.x_shape)
@@ -206,6 +208,7 @@ class ConvBwdDataSpec(_ConvSpec):
             self._set(name, value)
         self._normalize_common(x, w)
         self._set("activation_backward", as_activation("activation_backward", self.activation_backward))
+        self._set("residual", _flag("residual", self.residual))
         _check_dy(self, dy, _output_shape(self, x, w, "x_shape"))
         self._normalize_strides({role: len(x) for role in self.stride_roles})
         self._check_explicit_strides(self.tensors())
@@ -216,12 +219,14 @@ class ConvBwdDataSpec(_ConvSpec):
 
     @property
     def has_epilogue(self) -> bool:
-        return not self.activation_backward.is_identity
+        return not self.activation_backward.is_identity or self.residual
 
     def tensors(self) -> dict[str, TensorDesc]:
         out = {"dy": self._desc("dy", self.dy_shape), "w": self._desc("w", self.w_shape)}
-        if self.has_epilogue:
+        if not self.activation_backward.is_identity:
             out["pre_act"] = self._desc("pre_act", self.x_shape)
+        if self.residual:
+            out["z"] = self._desc("z", self.x_shape)
         out["dx"] = self._desc("dx", self.x_shape)
         return out
 

@@ -69,7 +69,7 @@ class _StagePlan:
     """Launchers, kernels and buffer layout of one stage for one input geometry."""
 
     def __init__(self, stage: Stage, x_shape: tuple, prologue: bool, session, device: int, keep_dx: bool = False,
-                 mask: bool = False):
+                 mask: bool = False, residual_grad: bool = False):
         # Deterministic sessions sum the statistics again in our fixed order, over cuDNN's: its genstats does
         # not add in a fixed order (bit-different sums call to call with deterministic plans, H200, cuDNN
         # 9.19), and the prologue conv has no engine without genstats.
@@ -85,8 +85,11 @@ class _StagePlan:
         self.bn = BatchNormKernels(self.rows, self.k, "float16", device)
         extra = ("scale", "shift") if prologue else ()
         self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", "sum", "sq_sum"), "torch")
-        self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
-            ("dy", "w", "dx"), "torch")
+        self.dgrad_adds = residual_grad and self._plan_dgrad_adding(session, w_shape, params)
+        if not self.dgrad_adds:
+            self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
+                ("dy", "w", "dx"), "torch")
+        keep_dx = keep_dx or residual_grad and not self.dgrad_adds  # then our pass adds the two
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
             ("x", *extra, "dy", "dw"), "torch")
         k, y_bytes, w_bytes = self.k, _up(math.prod(self.y_shape) * _F16), _up(self.w_numel * _F16)
@@ -110,6 +113,20 @@ class _StagePlan:
         self.dw16 = self.partials + _up(self.bn.partials_bytes)
         self.dx = self.dw16 + w_bytes
         self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue or keep_dx else 0)
+
+
+    def _plan_dgrad_adding(self, session, w_shape: tuple, params: dict) -> bool:
+        """Plan the dgrad that adds the residual's gradient z in its epilogue (`residual_grad`: the run's
+        input is also its residual, so x's gradient is both summed); False where cuDNN has no one-graph
+        engine for it (two graphs would move more bytes than our add pass does)."""
+        try:
+            plan = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, self.x_shape, residual=True, **params))
+        except UnsupportedGraphError as err:
+            log.info("cudnn_graphs: no dgrad + residual gradient graph for %s: %s", self.x_shape, err)
+            return False
+        if plan.fused:
+            self.dgrad = plan.launcher(("dy", "w", "z", "dx"), "torch")
+        return plan.fused
 
 
 def _padding(conv: nn.Conv2d) -> Any:
@@ -150,7 +167,8 @@ class Chain:
         program = None if unfused else self._prepared(x, residual)
         if program is None:
             return self.unfused(x, residual)
-        return _ChainFunction.apply(self, program, x, residual, *self._params())
+        # a residual that is the input itself (a block's identity) enters once: the node sums x's gradient
+        return _ChainFunction.apply(self, program, x, None if program.shared else residual, *self._params())
 
     def unfused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The run as its modules compute it (their hooks fire)."""
@@ -203,7 +221,8 @@ class Chain:
             return None
         dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         # everything a program bakes in: shapes, dtypes, flags, and each BatchNorm's constants
-        key = (x.shape, x.dtype, dtype, x.get_device(), None if residual is None else (residual.shape, residual.dtype),
+        key = (x.shape, x.dtype, dtype, x.get_device(),
+               None if residual is None else (residual.shape, residual.dtype, residual is x),
                torch._C._get_deterministic_algorithms() or torch._C._get_cudnn_deterministic(),
                torch._C._get_cudnn_benchmark(),  # True: the plans come from an autotuning session
                tuple([(st.bn.training, st.bn.eps, st.bn.momentum, st.conv.weight.dtype) for st in self.all_stages]))
@@ -226,7 +245,8 @@ class Chain:
                 plans, shape, split = [], tuple(x.shape), self.branch is not None
                 for i, st in enumerate(self.stages):
                     plans.append(_StagePlan(st, shape, i > 0, session, device, keep_dx=i == 0 and split,
-                                            mask=i == len(self.stages) - 1 and self.final_relu))
+                                            mask=i == len(self.stages) - 1 and self.final_relu,
+                                            residual_grad=i == 0 and residual is x))
                     shape = plans[-1].y_shape
                     if plans[-1].rows < 2:
                         why = "one value per channel (torch's BatchNorm raises: let it say so)"
@@ -243,7 +263,7 @@ class Chain:
         if why is not None:
             log.info("cudnn_graphs: a conv-BatchNorm run of %s runs unfused: %s", tuple(x.shape), why)
             return None, provisional
-        return _Program(self, plans, x.get_device()), provisional
+        return _Program(self, plans, x.get_device(), shared=residual is x), provisional
 
 
 def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
@@ -332,9 +352,10 @@ class _Program:
     from its second call (`gpu_launch.replay.Replay`): a launch and a few pointer patches instead of a
     launch per kernel. Constants (eps, momentum, flags) are in the key that chose this program."""
 
-    def __init__(self, chain: Chain, plans: list, device: int):
-        # plans: one per stage, then the branch's where the run has one (chain.all_stages' order)
-        self.plans, self.device = plans, device
+    def __init__(self, chain: Chain, plans: list, device: int, shared: bool = False):
+        # plans: one per stage, then the branch's where the run has one (chain.all_stages' order); shared:
+        # the residual is the run's input (it enters the node once, and the node sums its two gradients)
+        self.plans, self.device, self.shared = plans, device, shared
         self.stages = len(chain.stages)
         self.branch = plans[self.stages] if chain.branch is not None else None
         self.final_relu = chain.final_relu
@@ -351,7 +372,8 @@ class _Program:
         self.to_float = [Cast(g, to="to_float", device=device) for g in groups]
         # the two input gradients of a run with a branch, added in one pass over the input's geometry
         first = plans[0]
-        self.add = None if self.branch is None else BatchNormKernels(
+        adds = self.branch is not None or shared and not first.dgrad_adds
+        self.add = None if not adds else BatchNormKernels(
             math.prod(first.x_shape) // first.x_shape[1], first.x_shape[1], "float16", device)
         self.bwd_offsets, total = [], 0
         for plan in plans:
@@ -388,7 +410,8 @@ class _Program:
     # forward pointers: x16, r16 (or 0), out, then per stage: weight (fp32 source or the fp16 weight),
     # the stage's buffer, gamma, beta, running_mean, running_var, num_batches_tracked (0 where absent)
     def _forward(self, ptrs, stream: int) -> None:
-        x16, r16, out = ptrs[0], ptrs[1], ptrs[2]
+        x16, out = ptrs[0], ptrs[2]
+        r16 = x16 if self.shared else ptrs[1]
         stage_ptrs = [ptrs[3 + 7 * i: 10 + 7 * i] for i in range(len(self.plans))]
         if self.to_half:
             _cast(self.to_half, [(w, buf + p.w16) for (w, buf, *_), p, c in zip(stage_ptrs, self.plans, self.cast)
@@ -445,6 +468,13 @@ class _Program:
                 self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), first))
                 self._prep(self.branch.dgrad, stream)((bwd + self.bwd_offsets[k], self._w16(k, stage_ptrs), branch))
                 self.add.add(stream, a=first, b=branch, out=dx)
+            elif self.shared:  # x's two gradients: the first stage's and the residual's (dz)
+                w16 = self._w16(0, stage_ptrs)
+                if self.plans[0].dgrad_adds:
+                    self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], w16, dz, dx))
+                else:
+                    self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], w16, first))
+                    self.add.add(stream, a=first, b=dz, out=dx)
             else:
                 self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), dx))
         if self.to_float:
@@ -539,7 +569,7 @@ class _ChainFunction(torch.autograd.Function):
     def forward(ctx, chain: Chain, program: _Program, x, residual, *params):
         device = x.device
         x16 = _aligned16(x)
-        r16 = None if residual is None else _aligned16(residual)
+        r16 = None if residual is None else _aligned16(residual)  # None where shared: the kernels read x16
         out = _cl(program.plans[program.stages - 1].y_shape, device)
         bufs = [_bytes(p.fwd_bytes, device) for p in program.plans]
         ptrs = [x16.data_ptr(), _ptr_or_0(r16), out.data_ptr()]
@@ -555,11 +585,11 @@ class _ChainFunction(torch.autograd.Function):
                      bn.num_batches_tracked.data_ptr() if track else 0]
         program.run_forward(tuple(ptrs), torch._C._cuda_getCurrentRawStream(x.get_device()))
         ctx.program, ctx.x_dtype = program, x.dtype
-        ctx.residual_dtype = None if residual is None else residual.dtype
+        ctx.residual_dtype = x.dtype if program.shared else None if residual is None else residual.dtype
         stored = chain.final_relu and program.plans[program.stages - 1].bits is None  # else bits in its buffer
         ctx.save_for_backward(x16, out if stored else None, *bufs, *weights, *params)
-        if residual is not None and residual.dtype != torch.float16:  # torch's type promotion of the add
-            return out.to(torch.promote_types(torch.float16, residual.dtype))
+        if ctx.residual_dtype not in (None, torch.float16):  # torch's type promotion of the add
+            return out.to(torch.promote_types(torch.float16, ctx.residual_dtype))
         return out
 
     @staticmethod
@@ -575,7 +605,9 @@ class _ChainFunction(torch.autograd.Function):
         g16 = _aligned16(grad)
         want_dx, want_dz = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         dx = _cl(program.plans[0].x_shape, device) if want_dx else None
-        dz = _cl(program.plans[program.stages - 1].y_shape, device) if want_dz else None
+        # shared: dz is the residual's half of x's gradient, summed into dx here
+        need_dz = want_dz or program.shared and want_dx
+        dz = _cl(program.plans[program.stages - 1].y_shape, device) if need_dz else None
         bwd = _bytes(program.bwd_bytes, device)
         dgb = torch.empty(program.dgb_numel, device=device, dtype=torch.float32)
         dws = [torch.empty_like(params[3 * i], memory_format=torch.channels_last) for i in range(k)]
@@ -595,5 +627,7 @@ class _ChainFunction(torch.autograd.Function):
                 grads += [None, None]
         if dx is not None and dx.dtype != ctx.x_dtype:
             dx = dx.to(ctx.x_dtype)
+        if program.shared:
+            return (None, None, dx, None, *grads)
         dres = None if dz is None or ctx.residual_dtype == torch.float16 else dz.to(ctx.residual_dtype)
         return (None, None, dx, dz if dres is None else dres, *grads)
