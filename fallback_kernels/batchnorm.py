@@ -31,7 +31,8 @@ REDUCE_WAVES = 1  # reduction blocks: this many waves of 2 an SM
 
 
 def chunk_rows(rows: int, tiles: int, *, lanes: int, blocks: int) -> int:
-    """Rows one reduction block sums, from the shape and the grid's size alone (deterministic on one GPU):
+    """Rows one reduction block sums, from the shape and the grid's size alone (deterministic on one GPU
+    model: the grid follows its SM count, so another GPU or MIG slice sums in another order):
     `blocks` blocks over `tiles` channel tiles, a multiple of the rows a block loads at once. One wave of
     equal blocks leaves no tail but the last block's sum of the partials, which grows with the block count:
     4 waves (1056 blocks) left a 64-channel 56x56 layer at batch 64 at 1.5 TB/s."""

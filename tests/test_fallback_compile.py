@@ -127,6 +127,16 @@ def test_batchnorm_vector_width_follows_the_channel_count():
     assert batchnorm.vector_width("float16", 20) == 1 and batchnorm.vector_width("float32", 20) == 4
 
 
+def test_batchnorm_launcher_constants_are_the_kernels_own():
+    """THREADS and UNROLL size the reduction's grid and chunks in Python; the kernels are compiled with
+    the same numbers (a mismatch would leave rows unsummed or threads idle)."""
+    from fallback_kernels import batchnorm
+
+    src = kc.source("batchnorm.cu")
+    assert f"#define THREADS {batchnorm.THREADS} " in src
+    assert f"#define BN_UNROLL {batchnorm.UNROLL} " in src
+
+
 def test_batchnorm_reductions_read_16_bytes_a_thread_where_the_channels_allow():
     from fallback_kernels.batchnorm import reduce_layout
 

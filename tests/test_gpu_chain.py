@@ -171,6 +171,29 @@ def test_chain_matches_torch_in_float64(name, autocast):
         parameters_and_buffers_close(ours, theirs, ref)
 
 
+def test_an_identity_residual_without_the_one_graph_dgrad_sums_through_our_add(monkeypatch):
+    """Where cuDNN plans no one-graph dgrad + z, the plain dgrad and our add pass sum x's two gradients."""
+    from cudnn_graphs.torch import _chain
+
+    monkeypatch.setattr(_chain._StagePlan, "_plan_dgrad_adding", lambda self, *args: False)
+    torch.manual_seed(5)
+    block = Block().cuda().to(memory_format=CL)
+    ref = copy.deepcopy(block).double()
+    ours, theirs = copy.deepcopy(block), copy.deepcopy(block)
+    chain = ours.chain()
+    x = torch.randn(8, 64, 16, 16, device="cuda").to(memory_format=CL)
+    g = torch.randn(8, 64, 16, 16, device="cuda").to(memory_format=CL)
+    out, dx, _ = _run(ours, chain, x, "input", g, True)
+    t_out, t_dx, _ = _run(theirs, None, x, "input", g, True)
+    ref_out, ref_dx, _ = _run(ref, None, x.double(), "input", g.double(), False)
+    program, = chain._plans.values()
+    assert program is not None and program.shared, chain.status()
+    assert not program.plans[0].dgrad_adds and program.add is not None
+    close(out, t_out, ref_out, "output")
+    close(dx, t_dx, ref_dx, "input gradient")
+    parameters_and_buffers_close(ours, theirs, ref)
+
+
 BRANCH_CASES = {
     "strided": dict(),
     "stride-1": dict(stride=1),
@@ -304,6 +327,7 @@ REPLAY_CASES = {
     "no-affine": dict(bn_kwargs=dict(affine=False)),  # no gamma, no dgamma / dbeta
     "no-input-grad": dict(input_grad=False),    # no dgrad of the first stage
     "residual-is-input": dict(residual="input"),  # x's two gradients summed in the node
+    "residual-is-input-no-input-grad": dict(residual="input", input_grad=False),  # no dz, no dgrad
 }
 
 

@@ -124,9 +124,12 @@ class _StagePlan:
         except UnsupportedGraphError as err:
             log.info("cudnn_graphs: no dgrad + residual gradient graph for %s: %s", self.x_shape, err)
             return False
-        if plan.fused:
-            self.dgrad = plan.launcher(("dy", "w", "z", "dx"), "torch")
-        return plan.fused
+        if not plan.fused:
+            log.info("cudnn_graphs: the dgrad + residual gradient of %s plans as two graphs: our add instead",
+                     self.x_shape)
+            return False
+        self.dgrad = plan.launcher(("dy", "w", "z", "dx"), "torch")
+        return True
 
 
 def _padding(conv: nn.Conv2d) -> Any:
