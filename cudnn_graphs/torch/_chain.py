@@ -117,8 +117,8 @@ class _StagePlan:
 
     def _plan_dgrad_adding(self, session, w_shape: tuple, params: dict) -> bool:
         """Plan the dgrad that adds the residual's gradient z in its epilogue (`residual_grad`: the run's
-        input is also its residual, so x's gradient is both summed); False where cuDNN has no one-graph
-        engine for it (two graphs would move more bytes than our add pass does)."""
+        input is also its residual, so x's two gradients are summed here); False where cuDNN has no
+        one-graph engine for it (two graphs would move more bytes than our add pass does)."""
         try:
             plan = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, self.x_shape, residual=True, **params))
         except UnsupportedGraphError as err:
