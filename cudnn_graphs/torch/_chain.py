@@ -85,10 +85,10 @@ class _StagePlan:
         self.bn = BatchNormKernels(self.rows, self.k, "float16", device)
         extra = ("scale", "shift") if prologue else ()
         self.fwd = session.plan(fwd).launcher(("x", *extra, "w", "y", "sum", "sq_sum"), "torch")
-        self.dgrad_adds = residual_grad and self._plan_dgrad_adding(session, w_shape, params)
-        if not self.dgrad_adds:
-            self.dgrad = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(
-                ("dy", "w", "dx"), "torch")
+        adding = self._dgrad_adding(session, w_shape, params) if residual_grad else None
+        self.dgrad_adds = adding is not None
+        self.dgrad = adding if adding is not None else session.plan(
+            ConvBwdDataSpec(self.y_shape, w_shape, x_shape, **params)).launcher(("dy", "w", "dx"), "torch")
         keep_dx = keep_dx or residual_grad and not self.dgrad_adds  # then our pass adds the two
         self.wgrad = session.plan(ConvBwdFilterSpec(x_shape, self.y_shape, w_shape, prologue=pro, **params)).launcher(
             ("x", *extra, "dy", "dw"), "torch")
@@ -115,21 +115,20 @@ class _StagePlan:
         self.bwd_bytes = self.dx + (_up(math.prod(x_shape) * _F16) if prologue or keep_dx else 0)
 
 
-    def _plan_dgrad_adding(self, session, w_shape: tuple, params: dict) -> bool:
-        """Plan the dgrad that adds the residual's gradient z in its epilogue (`residual_grad`: the run's
-        input is also its residual, so x's two gradients are summed here); False where cuDNN has no
-        one-graph engine for it (two graphs would move more bytes than our add pass does)."""
+    def _dgrad_adding(self, session, w_shape: tuple, params: dict):
+        """The launcher (dy, w, z, dx) of the dgrad that adds the residual's gradient z in its epilogue
+        (`residual_grad`: the run's input is also its residual, so x's two gradients are summed here); None
+        where cuDNN has no one-graph engine for it (two graphs would move more bytes than our add pass)."""
         try:
             plan = session.plan(ConvBwdDataSpec(self.y_shape, w_shape, self.x_shape, residual=True, **params))
         except UnsupportedGraphError as err:
             log.info("cudnn_graphs: no dgrad + residual gradient graph for %s: %s", self.x_shape, err)
-            return False
+            return None
         if not plan.fused:
             log.info("cudnn_graphs: the dgrad + residual gradient of %s plans as two graphs: our add instead",
                      self.x_shape)
-            return False
-        self.dgrad = plan.launcher(("dy", "w", "z", "dx"), "torch")
-        return True
+            return None
+        return plan.launcher(("dy", "w", "z", "dx"), "torch")
 
 
 def _padding(conv: nn.Conv2d) -> Any:
@@ -465,21 +464,18 @@ class _Program:
         for i in range(k - 1, -1, -1):
             da = self._stage_backward(i, da, dz if i == k - 1 else 0, *run)
         if want_dx:
-            first = bwd + self.bwd_offsets[0] + self.plans[0].dx
-            if split:
-                branch = bwd + self.bwd_offsets[k] + self.branch.dx
-                self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), first))
-                self._prep(self.branch.dgrad, stream)((bwd + self.bwd_offsets[k], self._w16(k, stage_ptrs), branch))
-                self.add.add(stream, a=first, b=branch, out=dx)
-            elif self.shared:  # x's two gradients: the first stage's and the residual's (dz)
-                w16 = self._w16(0, stage_ptrs)
-                if self.plans[0].dgrad_adds:
-                    self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], w16, dz, dx))
-                else:
-                    self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], w16, first))
-                    self.add.add(stream, a=first, b=dz, out=dx)
-            else:
-                self._prep(self.plans[0].dgrad, stream)((bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs), dx))
+            dgrad = (bwd + self.bwd_offsets[0], self._w16(0, stage_ptrs))
+            if self.plans[0].dgrad_adds:  # a shared residual: the dgrad adds its gradient dz itself
+                self._prep(self.plans[0].dgrad, stream)((*dgrad, dz, dx))
+            elif self.add is None:
+                self._prep(self.plans[0].dgrad, stream)((*dgrad, dx))
+            else:  # x's two gradients added in our pass: the branch's, or a shared residual's dz
+                first, other = bwd + self.bwd_offsets[0] + self.plans[0].dx, dz
+                self._prep(self.plans[0].dgrad, stream)((*dgrad, first))
+                if split:
+                    other = bwd + self.bwd_offsets[k] + self.branch.dx
+                    self._prep(self.branch.dgrad, stream)((bwd + self.bwd_offsets[k], self._w16(k, stage_ptrs), other))
+                self.add.add(stream, a=first, b=other, out=dx)
         if self.to_float:
             _cast(self.to_float, [(bwd + self.bwd_offsets[i] + p.dw16, stage_ptrs[i][3])
                                   for i, (p, c) in enumerate(zip(self.plans, self.cast)) if c], stream)
