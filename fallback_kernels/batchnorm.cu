@@ -16,6 +16,7 @@
 // scale and shift are stored in the io type: cuDNN's prologue reads them so (it declines float32
 // operands), and bn_apply and the mask in the backward use the same rounded values.
 #include "types.cuh"
+#include "vectors.cuh"
 
 // One block (the counter is read before it is written): C <= a few thousand channels, a trivial pass.
 template <typename T>
@@ -46,34 +47,6 @@ __global__ void __launch_bounds__(1024) bn_finalize(const float* __restrict__ su
             running_var[c] = (1.f - factor) * running_var[c] + factor * (float)unbiased;
         }
     }
-}
-
-// VEC consecutive channels a thread (C % VEC == 0, 16-byte aligned rows when VEC * sizeof(T) == 16).
-// The alignment makes one vector load of the struct: without it a Vec of halves has the alignment of one
-// half, and the compiler loads element by element (bn_bwd_apply ran 5x off the memory bandwidth so).
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Vec { T v[VEC]; };
-
-template <typename T, int VEC>
-__device__ __forceinline__ void load(const T* __restrict__ p, long long i, float (&out)[VEC]) {
-    const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(p + i);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) out[j] = to_acc(v.v[j]);
-}
-
-template <int VEC>
-__device__ __forceinline__ void load(const float* __restrict__ p, long long i, float (&out)[VEC]) {
-    const Vec<float, VEC> v = *reinterpret_cast<const Vec<float, VEC>*>(p + i);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) out[j] = v.v[j];
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store(T* __restrict__ p, long long i, const float (&in)[VEC]) {
-    Vec<T, VEC> v;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) v.v[j] = from_acc<T>(in[j]);
-    *reinterpret_cast<Vec<T, VEC>*>(p + i) = v;
 }
 
 // r == nullptr: no residual; else + r, or + r*scale2 + shift2 where scale2 is given (a downsample branch's own

@@ -80,7 +80,7 @@ class Geometry:
     epilogue: str = "DEFAULT"
     aux_ld: int = 0
     tf32: bool = False
-    align: tuple[int, int, int] = (256, 256, 256)  # A, B, D
+    align: tuple[int, int, int] = (256, 256, 256)  # A, B, D (and C, a residual read where D is written)
     out_dtype: str | None = None  # D's type where it differs from A's and B's (float32 accumulators out)
 
 
@@ -154,8 +154,9 @@ class LtGemm:
         return self._heur.ptr + index * size, int(self._heur[index].workspace_size)
 
     def run(self, *, a: int, b: int, d: int, stream: int, bias: int = 0, aux: int = 0, accumulate: bool = False,
-            workspace: int = 0) -> None:
-        """D = A @ B (+ D when accumulate), with the epilogue; pointers are device addresses."""
+            workspace: int = 0, c: int = 0) -> None:
+        """D = A @ B (+ D when accumulate, + C where `c` is given: a residual read in the epilogue, laid out as
+        D, its alignment class in the geometry's), with the epilogue; pointers are device addresses."""
         L = bindings()
         bl, al, dl = self._layouts
         with self._lock:
@@ -168,8 +169,8 @@ class LtGemm:
                 L.matmul_desc_set_attribute(self._desc, L.MatmulDescAttribute.EPILOGUE_AUX_POINTER,
                                             self._ptr_addr + 8, 8)
                 self._last[1] = aux
-            L.matmul(self._h, self._desc, self._alpha, b, bl, a, al, self._betas[accumulate], d, dl, d, dl,
-                     self._algo, workspace, self.workspace, stream)
+            L.matmul(self._h, self._desc, self._alpha, b, bl, a, al, self._betas[accumulate or c != 0], c or d, dl,
+                     d, dl, self._algo, workspace, self.workspace, stream)
 
 
 _PLANS: dict[Geometry, LtGemm | CublasLtError] = {}

@@ -127,6 +127,27 @@ def _function(dtype: str, device: int, name: str, group: str | None) -> Any:
     return module.get_function(name)
 
 
+class FlatActivation:
+    """y = act(x) over `count` contiguous values of `dtype` (in place where y is x), as one launch of the
+    forward's flat pass; `count` a multiple of VEC[dtype] and the pointers 16-byte aligned (fresh
+    allocations are). One thread at a time calls it (its argument slots are patched in place)."""
+
+    def __init__(self, count: int, dtype: str, device: int, activation: Any):
+        act = _activation(activation)
+        if dtype not in VEC or count <= 0 or count % VEC[dtype]:
+            raise SpecError("count", count, f"a positive multiple of {VEC.get(dtype)} {dtype} values")
+        vectors = count // VEC[dtype]
+        fn = _function(dtype, device, _flat_name(CTYPES[dtype], VEC[dtype], ACT_CODES[act.name]), act.name)
+        self.x, self.y = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        self.kernel = driver.Kernel(_compile.cufunction(fn, device), grid=_cdiv(vectors, FLAT_THREADS * FLAT_ITEMS),
+                                    block=FLAT_THREADS, ordinal=device,
+                                    args=[self.x, self.y, _i64(vectors), _f32(act.param or 0.0)])
+
+    def __call__(self, stream: int, *, x: int, y: int) -> None:
+        self.x.value, self.y.value = x, y
+        self.kernel.launch(stream)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     import cupy

@@ -20,7 +20,9 @@ Bottleneck the residual add and ReLU fuse into the last conv. What cannot be con
 or lazy convs, subclasses with their own forward) stays torch and is listed with the reason.
 Both modes: a BatchNorm2d -> ReLU in front of a conv (DenseNet's layers and transitions, such
 slots in an nn.Sequential) runs in eval, with no gradient wanted, as one cuDNN graph with the
-BatchNorm and ReLU as the conv's prologue (`_preact.py`); its modules stay where they were.
+BatchNorm and ReLU as the conv's prologue (`_preact.py`); its modules stay where they were. Where no
+gradient is wanted, nn.LayerNorm and torchvision's LayerNorm2d run on this library's LayerNorm kernel,
+and torchvision's ConvNeXt block in fewer passes over memory (`_layernorm.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from gpu_launch.activations import Activation
 
 from ._chain import Chain, Stage, moved, places, why_not_plain
 from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
+from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
+                         why_not_convnext_block)
 from ._preact import PreActivation, eval_affine, why_not_site
 
 __all__ = ["ConversionReport", "convert"]
@@ -58,6 +62,9 @@ class ConversionReport:
     # eval: (conv, site) where BatchNorm -> ReLU -> conv runs as one graph; (conv, why not) where it cannot
     prologues: list[tuple[str, PreActivation]] = field(default_factory=list)
     no_prologue: list[tuple[str, str]] = field(default_factory=list)
+    # no gradient wanted: LayerNorm modules on our kernel; torchvision ConvNeXt blocks in fewer passes
+    layer_norms: list[str] = field(default_factory=list)
+    convnext_blocks: list[str] = field(default_factory=list)
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
     train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
@@ -80,6 +87,9 @@ class ConversionReport:
             lines.append(f"{len(self.prologues)} BatchNorm -> ReLU -> conv, each one graph in eval (the conv's prologue):")
             lines += [f"  {where}: {site.status()}" for where, site in self.prologues]
         lines += [f"BatchNorm -> ReLU -> {where} stays three kernels in eval: {why}" for where, why in self.no_prologue]
+        if self.layer_norms or self.convnext_blocks:
+            lines.append(f"{len(self.layer_norms)} LayerNorm and {len(self.convnext_blocks)} ConvNeXt blocks on "
+                         f"this library's LayerNorm kernel where no gradient is wanted")
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -125,6 +135,7 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
         _chain_batchnorm(model, report)
     if fuse_batchnorm:
         _pre_activations(model, report)
+    _layer_norms(model, report)
     model.cudnn_graphs_report = report
     return model
 
@@ -542,3 +553,25 @@ def _pre_activated_dense_forward(self, input):
     if self.drop_rate > 0:
         out = torch.nn.functional.dropout(out, p=self.drop_rate, training=self.training)
     return out
+
+
+# -- no gradient wanted: LayerNorm on our kernel, torchvision's ConvNeXt block -------------------------------
+
+def _layer_norms(model: nn.Module, report: ConversionReport) -> None:
+    forwards = {"LayerNorm": layer_norm_forward, "LayerNorm2d": layer_norm_2d_forward}
+    for name, module in list(model.named_modules()):
+        kind = layer_norm_kind(module)
+        if kind is not None:
+            module.forward = _Forward(forwards[kind], module)
+            report.layer_norms.append(name)
+        elif _convnext_block(module) and why_not_convnext_block(module) is None:
+            slots = [(module, "block"), (module, "stochastic_depth"),
+                     *((module.block, n) for n in module.block._modules)]
+            module.forward = _Forward(convnext_block_forward, module, places(slots))
+            report.convnext_blocks.append(name)
+
+
+def _convnext_block(module: nn.Module) -> bool:
+    """torchvision's CNBlock, recognised by its class (its parts by `why_not_convnext_block`)."""
+    kind = type(module)
+    return kind.__name__ == "CNBlock" and kind.__module__.startswith("torchvision.") and "forward" not in vars(module)

@@ -1,0 +1,287 @@
+"""LayerNorm on this library's kernel where no gradient is wanted, and torchvision's ConvNeXt block in fewer passes.
+
+`convert` (both modes) points these modules' forwards here. A call with no gradient wanted, on CUDA, in
+float16 / bfloat16 / float32 with its parameters in the same dtype, outside autocast and torch.compile,
+whose rows are dense in memory, runs `fallback_kernels/layernorm.cu` (a row in a few threads' registers:
+read once, written once); any other call runs the module's own forward:
+- `nn.LayerNorm` over the last dim, and torchvision's `LayerNorm2d` (over the channels of a channels-last
+  map). torch's kernel runs a block a row, slow on narrow rows: 113 us for 100352 rows of 96 float16
+  values (convnext_tiny's first stage at batch 32, H100).
+- torchvision's `CNBlock` in eval: the depthwise conv without its bias, then one kernel that adds the bias
+  and normalises, the first Linear and its activation, the second Linear with the layer scale folded into
+  its weight and bias (made again when any of them changes), and the input added in place. torch's block
+  adds the bias, normalises, scales and adds in four passes over the map, ours in one plus the add.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fallback_kernels.layernorm import LayerNormRows, layout
+from fallback_kernels.types import ITEMSIZE
+
+from ..errors import SpecError
+
+from ._chain import hooked
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_MAX_LAUNCHES = 256  # geometries kept (a model has a few; a loop over many shapes starts the memo again)
+_launches: dict[tuple, LayerNormRows] = {}
+_lock = threading.Lock()  # a launch patches its argument slots in place
+
+
+def no_grad_cuda_call(x: torch.Tensor, params) -> bool:
+    """Whether a call may run our kernels: CUDA, no gradient wanted, no autocast (torch's LayerNorm
+    runs in float32 there), no torch.compile or torch.func transform tracing it."""
+    if not x.is_cuda or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch.is_autocast_enabled("cuda"):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params)))
+
+
+def rows_supported(channels: int, dtype: torch.dtype) -> bool:
+    """Whether rows of `channels` values of `dtype` fit the kernel (16-byte aligned: fresh allocations are)."""
+    name = _DTYPES.get(dtype)
+    return name is not None and layout(channels, name, align=16) is not None
+
+
+def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
+                    add: torch.Tensor | None = None) -> torch.Tensor | None:
+    """F.layer_norm(x + add, (C,), weight, bias, eps) over x's last dim C, in a new tensor like x; None where
+    the kernel does not take the call (x not contiguous, another dtype, a parameter of another dtype or
+    device, rows too wide). No check of gradients or autocast: the caller's (`no_grad_cuda_call`)."""
+    c = x.shape[-1] if x.dim() else 0
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None or c == 0 or x.numel() == 0 or not x.is_contiguous():
+        return None
+    for t in (weight, bias, add):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device or t.numel() != c or not t.is_contiguous()):
+            return None
+    rows = x.numel() // c
+    align = _alignment(x, weight, bias, add)
+    device = x.get_device()
+    key = (rows, c, dtype, device, align)
+    launch = _launches.get(key)
+    if launch is None:
+        if layout(c, dtype, align=align) is None:
+            return None
+        if len(_launches) >= _MAX_LAUNCHES:
+            _launches.clear()
+        launch = _launches.setdefault(key, LayerNormRows(rows, c, dtype, device, align=align))
+    y = torch.empty_like(x)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    with _lock:
+        launch(stream, x=x.data_ptr(), y=y.data_ptr(), eps=float(eps), add=_ptr(add), gamma=_ptr(weight),
+               beta=_ptr(bias))
+    return y
+
+
+def _alignment(*tensors: torch.Tensor | None) -> int:
+    """The largest power of two up to 16 that every tensor's address is a multiple of (a view can start anywhere)."""
+    bits = 16
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & -bits
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+# -- modules: nn.LayerNorm, torchvision's LayerNorm2d -------------------------------------------------------
+
+def layer_norm_kind(module: nn.Module) -> str | None:
+    """"LayerNorm" (torch's, over one last dim), "LayerNorm2d" (torchvision's ConvNeXt), or None."""
+    if "forward" in vars(module) or not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
+        return None
+    if type(module) is nn.LayerNorm:
+        return "LayerNorm"
+    if type(module).__name__ == "LayerNorm2d" and type(module).__module__.startswith("torchvision."):
+        return "LayerNorm2d"
+    return None
+
+
+def layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """nn.LayerNorm.forward on our kernel where the call allows, else the module's own forward."""
+    y = None
+    if no_grad_cuda_call(x, (self.weight, self.bias)) and x.dim() and x.shape[-1] == self.normalized_shape[0]:
+        y = layer_norm_rows(x, self.weight, self.bias, self.eps)
+    return type(self).forward(self, x) if y is None else y
+
+
+def layer_norm_2d_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """torchvision's LayerNorm2d (permute to NHWC, LayerNorm over C, permute back) on our kernel where the
+    map is channels-last in memory (its NHWC view then dense), else the module's own forward."""
+    y = None
+    if x.dim() == 4 and x.shape[1] == self.normalized_shape[0] and no_grad_cuda_call(x, (self.weight, self.bias)):
+        y = layer_norm_rows(x.permute(0, 2, 3, 1), self.weight, self.bias, self.eps)
+    return type(self).forward(self, x) if y is None else y.permute(0, 3, 1, 2)
+
+
+# -- torchvision's CNBlock ------------------------------------------------------------------------------------
+
+def why_not_convnext_block(block: nn.Module) -> str | None:
+    """Why `block` is not a torchvision CNBlock this module runs (checked once, at convert), or None."""
+    from ._convert import _activation_of
+    from ._conv import Conv2d
+
+    seq = getattr(block, "block", None)
+    scale = getattr(block, "layer_scale", None)
+    if type(seq) is not nn.Sequential or len(seq) != 7 or not isinstance(scale, torch.Tensor) \
+            or not hasattr(block, "stochastic_depth"):
+        return "not torchvision's CNBlock layout"
+    conv, first, norm, fc1, act, fc2, last = seq
+    c = scale.shape[0]
+    checks = (
+        (isinstance(conv, Conv2d) and type(conv).forward is Conv2d.forward and "forward" not in vars(conv),
+         "the depthwise conv is not converted"),
+        (conv.groups == conv.in_channels == conv.out_channels == c and conv.padding_mode == "zeros"
+         and conv.activation.is_identity, "the conv is not a plain depthwise conv of the block's channels"),
+        (list(getattr(first, "dims", ())) == [0, 2, 3, 1] and list(getattr(last, "dims", ())) == [0, 3, 1, 2],
+         "the permutes are not NCHW -> NHWC -> NCHW"),
+        (_plain_layer_norm(norm) and tuple(norm.normalized_shape) == (c,), "no LayerNorm over C"),
+        (type(fc1) is nn.Linear and type(fc2) is nn.Linear and fc1.in_features == c and fc2.out_features == c,
+         "the MLP is not two nn.Linear of the block's width"),
+        (_activation_of(act) is not None, f"{type(act).__name__} is not an activation of torch's"),
+        (tuple(scale.shape) == (c, 1, 1), "the layer scale is not (C, 1, 1)"),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
+def _plain_layer_norm(module: nn.Module) -> bool:
+    """torch's nn.LayerNorm with its own forward or ours (convert points it here too)."""
+    forward = vars(module).get("forward")
+    return type(module) is nn.LayerNorm and (forward is None or getattr(forward, "fn", None) is layer_norm_forward)
+
+
+def convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """CNBlock.forward in fewer passes where the call allows (see the module's docstring), else its own."""
+    out = _convnext_block(self, x)
+    return type(self).forward(self, x) if out is None else out
+
+
+def _convnext_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    # parts read from the modules' dicts: nn.Module.__getattr__ costs ~0.5 us a read
+    seq = block._modules["block"]
+    parts = seq._modules
+    conv, norm, fc1, act, fc2 = parts["0"], parts["2"], parts["3"], parts["4"], parts["5"]
+    if block.training or block._modules["stochastic_depth"].training or x.dim() != 4 or not x.is_cuda:
+        return None
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+            or torch.is_autocast_enabled("cuda") or not torch._C._get_cudnn_enabled():
+        return None
+    p = (conv._parameters["bias"], norm._parameters["weight"], norm._parameters["bias"], fc1._parameters["weight"],
+         fc1._parameters["bias"], conv._parameters["weight"], fc2._parameters["weight"], fc2._parameters["bias"],
+         block.layer_scale)
+    dtype, device = x.dtype, x.get_device()
+    if any(t is not None and (t.dtype is not dtype or t.get_device() != device) for t in p):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in p)):
+        return None
+    if not x.is_contiguous(memory_format=torch.channels_last) or hooked((seq, *seq)):
+        return None
+    launches = _block_launches(x, p, norm, fc1, act)
+    scaled = None if launches is None else _scaled_fc2(block, fc2)
+    if scaled is None:
+        return None
+    y = conv._conv_forward(x, conv.weight, None)  # its bias goes into the LayerNorm's pass
+    return launches(x, y, p[:5], scaled, norm.eps)
+
+
+class _BlockLaunches:
+    """A CNBlock geometry's launches after its depthwise conv, on torch's current stream: the LayerNorm pass
+    adding the conv's bias, fc1 on cuBLASLt with its bias, the activation in place, fc2 (the layer scale
+    folded in) with its bias and the block's input read in its epilogue. One thread at a time calls it."""
+
+    def __init__(self, rows: int, c: int, hidden: int, dtype: str, device: int, act: nn.Module, tf32: bool,
+                 align: tuple[int, int]):
+        from fallback_kernels import cublaslt
+        from fallback_kernels.gemm_act import FlatActivation
+
+        from ._convert import _activation_of
+
+        self.ln = LayerNormRows(rows, c, dtype, device, align=16)
+        self.act = FlatActivation(rows * hidden, dtype, device, _activation_of(act))
+        geometry = functools.partial(cublaslt.Geometry, device, dtype, rows, epilogue="BIAS", tf32=tf32)
+        self.fc1 = cublaslt.lt_gemm(geometry(hidden, c, ("row", c), ("col", c), hidden, align=(256, align[0], 256)))
+        self.fc2 = cublaslt.lt_gemm(geometry(c, hidden, ("row", hidden), ("col", hidden), c,
+                                             align=(256, 256, align[1])))
+        self.t_bytes = _up(rows * c * ITEMSIZE[dtype])
+        self.h_bytes = _up(rows * hidden * ITEMSIZE[dtype])
+        self.scratch = self.t_bytes + self.h_bytes + max(self.fc1.workspace, self.fc2.workspace)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, p: tuple, scaled: tuple, eps: float) -> torch.Tensor:
+        conv_bias, ln_w, ln_b, w1, b1 = (_ptr(t) for t in p)
+        out = torch.empty_like(x)  # channels-last: rows of C, as fc2 writes them
+        scratch = torch.empty(self.scratch, dtype=torch.uint8, device=x.device)
+        t = scratch.data_ptr()
+        h, ws = t + self.t_bytes, t + self.t_bytes + self.h_bytes
+        stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+        with _lock:
+            self.ln(stream, x=y.data_ptr(), y=t, eps=eps, add=conv_bias, gamma=ln_w, beta=ln_b)
+            self.fc1.run(a=t, b=w1, d=h, bias=b1, stream=stream, workspace=ws)
+            self.act(stream, x=h, y=h)
+            self.fc2.run(a=h, b=scaled[0].data_ptr(), d=out.data_ptr(), c=x.data_ptr(), bias=_ptr(scaled[1]),
+                         stream=stream, workspace=ws)
+        return out
+
+
+_blocks: dict[tuple, _BlockLaunches | None] = {}
+
+
+def _block_launches(x: torch.Tensor, p: tuple, norm: nn.Module, fc1: nn.Linear, act: nn.Module):
+    """The prepared launches of this call's geometry, or None where they cannot serve it: a row too wide for the
+    LayerNorm kernel, operands not 16-byte aligned, a bias missing, cuBLASLt absent or refusing, another device
+    current (cuBLASLt launches on the current one), or an activation without a flat pass of ours."""
+    from fallback_kernels import cublaslt
+
+    n, c, hh, ww = x.shape
+    hidden = fc1.out_features
+    tf32 = x.dtype is torch.float32 and torch._C._get_cublas_allow_tf32()
+    # cuBLASLt plans for the alignment class of each operand: fc1's weight and the residual (the block's input)
+    # are the caller's, the rest fresh allocations (256 bytes)
+    align = (cublaslt.alignment(p[3].data_ptr()), min(256, cublaslt.alignment(x.data_ptr())))
+    key = (n * hh * ww, c, hidden, x.dtype, x.get_device(), type(act), getattr(act, "approximate", None), tf32,
+           align, _alignment(x, *p) >= 16 and all(t is not None for t in p[:5]))
+    if key in _blocks:
+        launches = _blocks[key]
+    else:
+        launches = None
+        if key[-1] and rows_supported(c, x.dtype) and cublaslt.available():
+            try:
+                launches = _BlockLaunches(key[0], c, hidden, _DTYPES[x.dtype], key[4], act, tf32, align)
+            except (cublaslt.CublasLtError, SpecError, ValueError):
+                launches = None
+        if len(_blocks) >= _MAX_LAUNCHES:
+            _blocks.clear()
+        _blocks[key] = launches
+    return launches if launches is not None and torch.cuda.current_device() == key[4] else None
+
+
+def _up(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+def _scaled_fc2(block: nn.Module, fc2: nn.Linear) -> tuple | None:
+    """(weight, bias) of layer_scale * fc2(.), made again when the scale or fc2's parameters change; None
+    where they changed inside a CUDA-graph capture (made there, they would hold values only on replay)."""
+    scale = block.layer_scale
+    versions = tuple((t.data_ptr(), t._version) for t in (scale, fc2.weight, fc2.bias) if t is not None)
+    held = block.__dict__.get("_cudnn_graphs_scaled_fc2")
+    if held is not None and held[0] == versions:
+        return held[1]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    with torch.no_grad():
+        s = scale.detach().reshape(-1).double()
+        weight = (fc2.weight.double() * s[:, None]).to(fc2.weight.dtype)
+        bias = None if fc2.bias is None else (fc2.bias.double() * s).to(fc2.bias.dtype)
+    block.__dict__["_cudnn_graphs_scaled_fc2"] = (versions, (weight, bias))
+    return weight, bias

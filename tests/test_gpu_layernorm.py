@@ -1,0 +1,217 @@
+"""The LayerNorm kernel against float64 over row widths, dtypes, alignments and optional operands, with the
+memory it writes poisoned first; converted LayerNorm / LayerNorm2d / ConvNeXt blocks against torch's modules
+(the kernel must have run), parameters changed after a call, a gradient wanted, capture, and torchvision's
+convnext_tiny end to end."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+from cudnn_graphs.torch import _layernorm  # noqa: E402
+from fallback_kernels import layernorm  # noqa: E402
+
+from .gpu_reference import rel_err  # noqa: E402
+from .test_torch_layernorm import CNBlock, tiny_convnext  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CL = torch.channels_last
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-6}
+
+
+def _poison(like: torch.Tensor) -> None:
+    """Fill the allocator's next block of this size with NaN: a result left unwritten shows."""
+    torch.empty_like(like).fill_(float("nan"))
+
+
+def _reference(x, weight, bias, eps, add=None):
+    v = x.double() + (0 if add is None else add.double())
+    return F.layer_norm(v, v.shape[-1:], None if weight is None else weight.double(),
+                        None if bias is None else bias.double(), eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("c", [1, 3, 8, 24, 96, 100, 192, 300, 384, 768, 1000, 2048])
+def test_the_kernel_matches_float64(dtype, c):
+    torch.manual_seed(c)
+    rows = 333
+    x = (torch.randn(rows, c, device="cuda", dtype=torch.float64) * 3 + 5).to(dtype)  # a mean far from 0
+    w = (torch.rand(c, device="cuda") + 0.5).to(dtype)
+    b = torch.randn(c, device="cuda").to(dtype)
+    add = torch.randn(c, device="cuda").to(dtype)
+    if layernorm.layout(c, str(dtype).removeprefix("torch."), align=16) is None:  # wider than a warp holds
+        assert _layernorm.layer_norm_rows(x, w, b, 1e-5) is None
+        return
+    for weight, bias, extra in ((w, b, None), (None, None, None), (w, None, add), (None, b, add)):
+        _poison(x)
+        got = _layernorm.layer_norm_rows(x, weight, bias, 1e-5, add=extra)
+        assert got is not None and got.dtype == dtype and got.shape == x.shape and torch.isfinite(got).all()
+        want = _reference(x, weight, bias, 1e-5, extra)
+        if c == 1:  # one value a row normalises to 0: zeros or the bias, no relative error to take
+            assert torch.allclose(got.double(), want, atol=TOL[dtype])
+        else:
+            assert rel_err(got, want) < TOL[dtype], (weight is None, bias is None, extra is None)
+
+
+def test_rows_too_wide_and_views_that_are_not_rows_are_declined():
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.float16)
+    assert _layernorm.layer_norm_rows(x, None, None, 1e-5) is None  # wider than a warp holds
+    y = torch.randn(8, 96, device="cuda", dtype=torch.float16)
+    assert _layernorm.layer_norm_rows(y.t(), None, None, 1e-5) is None  # not contiguous
+    assert _layernorm.layer_norm_rows(y, torch.ones(96, device="cuda"), None, 1e-5) is None  # float32 weight
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4])
+def test_misaligned_views_use_narrower_vectors(offset):
+    torch.manual_seed(offset)
+    flat = torch.randn(offset + 50 * 96, device="cuda", dtype=torch.float16)
+    x = flat[offset:].view(50, 96)
+    w = torch.rand(96, device="cuda", dtype=torch.float16) + 0.5
+    got = _layernorm.layer_norm_rows(x, w, None, 1e-6)
+    assert rel_err(got, _reference(x, w, None, 1e-6)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_converted_layernorms_match_torchs_and_run_the_kernel(dtype, monkeypatch):
+    torch.manual_seed(0)
+    ln, ln2d = nn.LayerNorm(192, eps=1e-6), tiny_convnext(dim=64)[1]
+    for m in (ln, ln2d):
+        m.weight.data.uniform_(0.5, 1.5)
+        m.bias.data.normal_()
+    ours = cgt.convert(nn.Sequential(copy.deepcopy(ln), copy.deepcopy(ln2d))).to("cuda", dtype).eval()
+    ln, ln2d = ln.to("cuda", dtype), ln2d.to("cuda", dtype)
+    calls = []  # the kernel's runs (a declined call returns None)
+    real = _layernorm.layer_norm_rows
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.extend([] if out is None else [1])
+        return out
+
+    monkeypatch.setattr(_layernorm, "layer_norm_rows", counted)
+    x = torch.randn(4, 7, 192, device="cuda", dtype=dtype)
+    m = torch.randn(3, 64, 9, 11, device="cuda", dtype=dtype).to(memory_format=CL)
+    with torch.no_grad():
+        assert rel_err(ours[0](x), ln(x)) < TOL[dtype]
+        y = ours[1](m)
+        assert rel_err(y, ln2d(m)) < TOL[dtype] and y.is_contiguous(memory_format=CL)
+        assert len(calls) == 2
+        assert torch.equal(ours[1](m.contiguous()), ln2d(m.contiguous()))  # NCHW in memory: torch's forward
+        assert len(calls) == 2
+    x.requires_grad_()
+    ours[0](x).sum().backward()  # a gradient wanted: torch's forward and backward
+    assert x.grad is not None and len(calls) == 2
+    with torch.autocast("cuda", dtype=torch.float16), torch.no_grad():  # torch's float32 LayerNorm there
+        assert ours[0](x).dtype == torch.float32 and len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,k,n,offset", [(3136, 384, 96, 0), (100, 40, 24, 0), (77, 64, 32, 8)])
+def test_a_cublaslt_gemm_reads_a_residual_in_its_epilogue(dtype, rows, k, n, offset):
+    from fallback_kernels import cublaslt
+
+    torch.manual_seed(rows)
+    a = torch.randn(rows, k, device="cuda", dtype=dtype)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype)
+    r = torch.randn(rows * n + offset, device="cuda").to(dtype)[offset:].view(rows, n)  # a view: less aligned
+    d = torch.full((rows, n), float("nan"), device="cuda", dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    plan = cublaslt.lt_gemm(cublaslt.Geometry(0, name, rows, n, k, ("row", k), ("col", k), n, "BIAS",
+                                              align=(256, 256, min(256, cublaslt.alignment(r.data_ptr())))))
+    ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device="cuda")
+    plan.run(a=a.data_ptr(), b=w.data_ptr(), d=d.data_ptr(), c=r.data_ptr(), bias=b.data_ptr(),
+             stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr())
+    want = F.linear(a.double(), w.double(), b.double()) + r.double()
+    assert rel_err(d, want) < 2 * TOL[dtype] + (1e-5 if dtype == torch.float32 else 0)
+
+
+def _block(dim, dtype, seed=0):
+    torch.manual_seed(seed)
+    block = CNBlock(dim, layer_scale=0.5)
+    for p in block.parameters():
+        p.data.add_(torch.randn_like(p) * 0.2)
+    return block.to("cuda", dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim,hw", [(96, 14), (40, 9), (8, 5)])
+def test_a_converted_convnext_block_matches_torch_against_float64(dtype, dim, hw, monkeypatch):
+    block = _block(dim, dtype)
+    ours = cgt.convert(nn.Sequential(copy.deepcopy(block)).eval(), inference=True)
+    assert ours.cudnn_graphs_report.convnext_blocks == ["0"]
+    ref = copy.deepcopy(block).double()
+    fused = []  # the block's own launches ran
+    real = _layernorm._BlockLaunches.__call__
+    monkeypatch.setattr(_layernorm._BlockLaunches, "__call__", lambda *a: fused.append(True) or real(*a))
+    x = torch.randn(4, dim, hw, hw + 2, device="cuda", dtype=dtype).to(memory_format=CL)
+    _poison(x)
+    with torch.no_grad():
+        got, theirs, want = ours(x), block(x), ref(x.double())
+    assert got.dtype == dtype and got.is_contiguous(memory_format=CL) and fused == [True]
+    tol = 4 * rel_err(theirs, want) + TOL[dtype]  # the same roundings as torch's, in another order
+    assert rel_err(got, want) < tol
+
+
+def test_a_convnext_block_follows_its_parameters_and_takes_torchs_path_where_it_must():
+    block = _block(64, torch.float16)
+    model = cgt.convert(nn.Sequential(copy.deepcopy(block)).eval(), inference=True)
+    x = torch.randn(2, 64, 8, 8, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    with torch.no_grad():
+        first = model(x)
+        for m in (model[0], block):  # an optimizer step's in-place update of the scale and fc2
+            m.layer_scale.mul_(-2)
+            m.block[5].weight.add_(0.01)
+        second, want = model(x), block(x)
+    assert not torch.allclose(first, second)
+    assert rel_err(second, want) < 4e-3
+    with torch.no_grad():  # NCHW in memory: the block's own forward (its converted conv and LayerNorm modules)
+        assert rel_err(model(x.contiguous()), block(x.contiguous())) < 4e-3
+    y = model(x.requires_grad_())  # a gradient wanted: torch's forward, whose backward runs
+    y.float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_captured_convnext_block_replays_with_fresh_inputs():
+    model = cgt.convert(nn.Sequential(_block(96, torch.float16)).eval(), inference=True)
+    static = torch.randn(2, 96, 14, 14, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(2):
+            model(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = model(static)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(out, model(static))
+
+
+def test_torchvision_convnext_tiny_inference_matches_torch():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    base = torchvision.models.convnext_tiny().eval()
+    for p in base.parameters():  # weights=None leaves the layer scale at 1e-6: blocks would add nothing
+        p.data.add_(torch.randn_like(p) * 0.02)
+    ref = copy.deepcopy(base).cuda().double()
+    torch_model = copy.deepcopy(base).cuda().half().to(memory_format=CL)
+    ours = cgt.convert(copy.deepcopy(torch_model), inference=True)
+    report = ours.cudnn_graphs_report
+    assert len(report.convnext_blocks) == 18 and len(report.layer_norms) == 18 + 5
+    x = torch.randn(4, 3, 128, 128, device="cuda")
+    with torch.no_grad():
+        want = ref(x.double())
+        theirs = torch_model(x.half().to(memory_format=CL))
+        got = ours(x.half().to(memory_format=CL))
+    assert rel_err(got, want) < 2 * rel_err(theirs, want) + 1e-3
