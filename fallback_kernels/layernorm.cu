@@ -1,7 +1,9 @@
 // LayerNorm over rows of C contiguous values (a tensor's last dim; a channels-last map's channels), as
 // torch's F.layer_norm computes it in float32:
 //   v = x [+ add]   (add: per-channel, a conv's bias the conv left out, so its output is read once)
-//   y = (v - mean) * rsqrt(var + eps) [* gamma] [+ beta],  var biased.
+//   y = (v - mean) * rsqrt(var + eps) [* gamma] [+ beta],  var biased; mean and rsqrt(var + eps) kept per row
+//   for the backward where asked. T: x's and y's type, P: the per-channel operands' (T, or float32 parameters
+//   under autocast).
 // A group of `lanes` threads (a power of two up to 32; several groups a warp for narrow rows) holds its row
 // in registers, NV vectors of VEC values a thread: x is read once and y written once. The mean first, then
 // the sum of squared deviations from it (no cancellation where the mean is large against the spread).
@@ -10,6 +12,7 @@
 #include "types.cuh"
 #include "vectors.cuh"
 
+#define LN_MAX_CHANNELS 1024  // the backward's per-block sums in shared memory: 8 KB
 #define LN_THREADS 256  // threads a block (THREADS in layernorm.py); 2 blocks an SM at least: with
                         // the bound alone ptxas spilled a few bytes on some row widths (sm_90)
 
@@ -18,20 +21,36 @@ __device__ __forceinline__ float group_sum(float v, int lanes) {
     return v;
 }
 
-// Pointers 16-byte aligned where VEC * sizeof(T) == 16, C % VEC == 0, C <= NV * VEC * lanes.
-template <typename T, int VEC, int NV>
-__global__ void __launch_bounds__(LN_THREADS, 2) layer_norm_rows(
-        const T* __restrict__ x, const T* __restrict__ add, const T* __restrict__ gamma,
-        const T* __restrict__ beta, T* __restrict__ y, long long rows, int C, int lanes_log2, float eps) {
-    const int lanes = 1 << lanes_log2;
-    const int lane = threadIdx.x & (lanes - 1);
+// A thread's place among the row groups: `lanes` threads a row, 32 / lanes rows a warp at a time, the warps
+// of the grid striding over the rows together (a warp's loop bound is the same for all its lanes, so every
+// lane reaches every shuffle).
+struct Groups {
+    int lanes, lane, sub;
+    long long first, step;
+};
+
+__device__ __forceinline__ Groups groups(int lanes_log2) {
+    Groups g;
+    g.lanes = 1 << lanes_log2;
+    g.lane = threadIdx.x & (g.lanes - 1);
+    g.sub = (threadIdx.x & 31) >> lanes_log2;
     const int per_warp = 32 >> lanes_log2;
-    const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const long long step = (((long long)gridDim.x * blockDim.x) >> 5) * per_warp;
-    const int sub = (threadIdx.x & 31) >> lanes_log2;
+    g.first = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * per_warp;
+    g.step = (((long long)gridDim.x * blockDim.x) >> 5) * per_warp;
+    return g;
+}
+
+// Pointers aligned to VEC values (16 or 8 bytes of T; P's vectors as many values), C % VEC == 0,
+// C <= NV * VEC * lanes.
+template <typename T, typename P, int VEC, int NV>
+__global__ void __launch_bounds__(LN_THREADS, 2) layer_norm_rows(
+        const T* __restrict__ x, const P* __restrict__ add, const P* __restrict__ gamma,
+        const P* __restrict__ beta, T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+        long long rows, int C, int lanes_log2, float eps) {
+    const Groups grp = groups(lanes_log2);
+    const int lanes = grp.lanes, lane = grp.lane, sub = grp.sub;
     const float inv_c = 1.f / (float)C;
-    // the loop's bound is the same for the whole warp: every lane reaches every shuffle
-    for (long long base = warp * per_warp; base < rows; base += step) {
+    for (long long base = grp.first; base < rows; base += grp.step) {
         const long long row = base + sub;
         const bool live = row < rows;
         float v[NV][VEC];
@@ -43,7 +62,7 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layer_norm_rows(
                 load<T, VEC>(x, row * C + c, v[j]);
                 if (add != nullptr) {
                     float b[VEC];
-                    load<T, VEC>(add, c, b);
+                    load<P, VEC>(add, c, b);
 #pragma unroll
                     for (int k = 0; k < VEC; ++k) v[j][k] += b[k];
                 }
@@ -65,19 +84,124 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layer_norm_rows(
             }
         }
         const float rstd = rsqrtf(group_sum(sq, lanes) * inv_c + eps);
+        if (mean_out != nullptr && live && lane == 0) {
+            mean_out[row] = mean;
+            rstd_out[row] = rstd;
+        }
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int c = (j * lanes + lane) * VEC;
             if (live && c < C) {
                 float g[VEC], b[VEC];
-                if (gamma != nullptr) load<T, VEC>(gamma, c, g);
+                if (gamma != nullptr) load<P, VEC>(gamma, c, g);
                 else for (int k = 0; k < VEC; ++k) g[k] = 1.f;
-                if (beta != nullptr) load<T, VEC>(beta, c, b);
+                if (beta != nullptr) load<P, VEC>(beta, c, b);
                 else for (int k = 0; k < VEC; ++k) b[k] = 0.f;
 #pragma unroll
                 for (int k = 0; k < VEC; ++k) v[j][k] = (v[j][k] - mean) * rstd * g[k] + b[k];
                 store<T, VEC>(y, row * C + c, v[j]);
             }
         }
+    }
+}
+
+// The backward of layer_norm_rows (no add) from the forward's mean and rstd: per row, with xhat = (x - mean) *
+// rstd and g = dy * gamma,  dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); per channel, dgamma = sum(dy *
+// xhat) and dbeta = sum(dy) over the rows. Each thread sums its channels over the rows it visits; the groups
+// of a warp, then the block's warps in a fixed order, add theirs into the block's row of `partials` (2C floats
+// a block: dgamma's, then dbeta's); layer_norm_bwd_params sums those rows in order: deterministic for a grid.
+template <typename T, typename P, int VEC, int NV>
+__global__ void __launch_bounds__(LN_THREADS, 1) layer_norm_bwd_rows(
+        const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_in,
+        const float* __restrict__ rstd_in, const P* __restrict__ gamma, T* __restrict__ dx,
+        float* __restrict__ partials, long long rows, int C, int lanes_log2) {
+    __shared__ float block_sums[2 * LN_MAX_CHANNELS];
+    const Groups grp = groups(lanes_log2);
+    const int lanes = grp.lanes, lane = grp.lane, sub = grp.sub;
+    const float inv_c = 1.f / (float)C;
+    float dg[NV][VEC], db[NV][VEC];
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) dg[j][k] = db[j][k] = 0.f;
+    for (long long base = grp.first; base < rows; base += grp.step) {
+        const long long row = base + sub;
+        const bool live = row < rows;
+        const float mean = live ? mean_in[row] : 0.f, rstd = live ? rstd_in[row] : 0.f;
+        float xh[NV][VEC], g[NV][VEC];
+        float sg = 0.f, sgx = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int c = (j * lanes + lane) * VEC;
+            if (live && c < C) {
+                float d[VEC], w[VEC];
+                load<T, VEC>(x, row * C + c, xh[j]);
+                load<T, VEC>(dy, row * C + c, d);
+                if (gamma != nullptr) load<P, VEC>(gamma, c, w);
+                else for (int k = 0; k < VEC; ++k) w[k] = 1.f;
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    xh[j][k] = (xh[j][k] - mean) * rstd;
+                    g[j][k] = d[k] * w[k];
+                    sg += g[j][k];
+                    sgx += g[j][k] * xh[j][k];
+                    dg[j][k] += d[k] * xh[j][k];
+                    db[j][k] += d[k];
+                }
+            }
+        }
+        const float mg = group_sum(sg, lanes) * inv_c, mgx = group_sum(sgx, lanes) * inv_c;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int c = (j * lanes + lane) * VEC;
+            if (live && c < C) {
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) g[j][k] = rstd * (g[j][k] - mg - xh[j][k] * mgx);
+                store<T, VEC>(dx, row * C + c, g[j]);
+            }
+        }
+    }
+    // the groups of a warp hold the same channels: add them across the lane bits above a group's
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+            for (int off = lanes; off < 32; off <<= 1) {
+                dg[j][k] += __shfl_xor_sync(0xffffffffu, dg[j][k], off);
+                db[j][k] += __shfl_xor_sync(0xffffffffu, db[j][k], off);
+            }
+    const int w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) block_sums[i] = 0.f;
+    for (int turn = 0; turn < warps; ++turn) {  // the warps in order: a fixed summation order
+        __syncthreads();
+        if (w == turn && sub == 0) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = (j * lanes + lane) * VEC;
+                if (c < C)
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k) {
+                        block_sums[c + k] += dg[j][k];
+                        block_sums[C + c + k] += db[j][k];
+                    }
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partials[(long long)blockIdx.x * 2 * C + i] = block_sums[i];
+}
+
+// dgamma[c], dbeta[c] = the sums of the blocks' partial rows, in block order; either may be null (not wanted).
+template <typename P>
+__global__ void layer_norm_bwd_params(const float* __restrict__ partials, P* __restrict__ dgamma,
+                                      P* __restrict__ dbeta, int blocks, int C) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2 * C) return;
+    float sum = 0.f;
+    for (int b = 0; b < blocks; ++b) sum += partials[(long long)b * 2 * C + i];
+    if (i < C) {
+        if (dgamma != nullptr) dgamma[i] = from_acc<P>(sum);
+    } else if (dbeta != nullptr) {
+        dbeta[i - C] = from_acc<P>(sum);
     }
 }

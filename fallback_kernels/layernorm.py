@@ -1,9 +1,11 @@
-"""Launcher for layernorm.cu: LayerNorm over rows of contiguous values, optionally after a per-channel add.
+"""Launchers for layernorm.cu: LayerNorm over rows of contiguous values, forward and backward.
 
-`LayerNormRows(rows, channels, dtype, device, aligned=...)` prepares one geometry's launch once; a call then
+`LayerNormRows(rows, channels, dtype, device, align=...)` prepares one geometry's forward once; a call then
 takes its pointers (ints), eps and a stream and queues one kernel: no allocation, no check, no
-synchronisation. `layout(channels, dtype, aligned)` says how a row is spread over threads, or None where
-the row is too wide to hold in registers (the caller runs torch's LayerNorm there).
+synchronisation. `LayerNormBackward` likewise queues the backward's two kernels. `layout(channels, dtype,
+align)` says how a row is spread over threads, or None where the row is too wide to hold in registers
+(the caller runs torch's LayerNorm there). `param_dtype`: the per-channel operands' dtype, the io dtype or
+float32 (autocast's parameters).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from . import compile as _compile
 from .types import ITEMSIZE, SIXTEEN_AND_32, STORAGE
 
 THREADS = 256  # LN_THREADS in layernorm.cu
+MAX_CHANNELS = 1024  # LN_MAX_CHANNELS: the backward's per-block sums in shared memory
 MAX_NV = 8  # vectors a thread holds: 8 x 16 bytes of float16 = 64 float32 registers
+MAX_BWD_NV = 3  # the backward holds x, the gradient and two sums a value: 4 x 24 floats a thread
 TARGET_NV = 4  # fewer threads a row while each holds at most this many vectors: more bytes in flight a thread
 BLOCKS_PER_SM = 8  # grid-stride loop over rows: enough resident warps to keep the memory busy
+BWD_BLOCKS_PER_SM = 2  # the backward's blocks each add a row of partial sums: one wave of them
 NULL = 0
 
 
@@ -29,20 +34,34 @@ def _widths(dtype: str) -> tuple[int, ...]:
     return wide, wide // 2, 1
 
 
-def _names(dtype: str) -> dict[tuple[int, int], str]:
-    t = STORAGE[dtype]
-    return {(vec, nv): f"layer_norm_rows<{t}, {vec}, {nv}>" for vec in _widths(dtype) for nv in range(1, MAX_NV + 1)}
+def _pairs() -> list[tuple[str, str]]:
+    """(io dtype, parameter dtype) instantiated: the parameters in the io dtype, or float32 ones."""
+    return [(t, t) for t in SIXTEEN_AND_32] + [(t, "float32") for t in SIXTEEN_AND_32 if t != "float32"]
+
+
+def _names(dtype: str, param_dtype: str) -> dict[tuple, str]:
+    t, p = STORAGE[dtype], STORAGE[param_dtype]
+    names: dict[tuple, str] = {}
+    for vec in _widths(dtype):
+        for nv in range(1, MAX_NV + 1):
+            names[("fwd", vec, nv)] = f"layer_norm_rows<{t}, {p}, {vec}, {nv}>"
+        for nv in range(1, MAX_BWD_NV + 1):
+            names[("bwd", vec, nv)] = f"layer_norm_bwd_rows<{t}, {p}, {vec}, {nv}>"
+    names[("params",)] = f"layer_norm_bwd_params<{p}>"
+    return names
 
 
 def name_expressions() -> list[str]:
-    return [name for dtype in SIXTEEN_AND_32 for name in _names(dtype).values()]
+    return [name for pair in _pairs() for name in _names(*pair).values()]
 
 
-def layout(channels: int, dtype: str, *, align: int) -> tuple[int, int, int] | None:
+def layout(channels: int, dtype: str, *, align: int, backward: bool = False) -> tuple[int, int, int] | None:
     """(VEC, NV, lanes): VEC values a vector (16 or 8 bytes where the channel count and every pointer's
-    `align`ment in bytes allow), NV vectors a thread, `lanes` threads a row (a power of two up to 32).
-    None: a row wider than a warp holds."""
+    `align`ment, in bytes of the io dtype, allow), NV vectors a thread, `lanes` threads a row (a power of
+    two up to 32). None: a row wider than a warp holds (or than the backward takes)."""
     if dtype not in SIXTEEN_AND_32 or channels <= 0 or align <= 0:
+        return None
+    if backward and channels > MAX_CHANNELS:
         return None
     size = ITEMSIZE[dtype]
     vec = next(v for v in _widths(dtype) if channels % v == 0 and align % (v * size) == 0)
@@ -51,40 +70,76 @@ def layout(channels: int, dtype: str, *, align: int) -> tuple[int, int, int] | N
     while lanes < 32 and -(-vectors // lanes) > TARGET_NV:
         lanes *= 2
     nv = -(-vectors // lanes)
-    return (vec, nv, lanes) if nv <= MAX_NV else None
+    return (vec, nv, lanes) if nv <= (MAX_BWD_NV if backward else MAX_NV) else None
 
 
 @functools.lru_cache(maxsize=None)
-def _functions(dtype: str, device: int) -> dict[tuple[int, int], int]:
-    names = _names(dtype)
+def _functions(dtype: str, param_dtype: str, device: int) -> dict[tuple, int]:
+    names = _names(dtype, param_dtype)
     module = _compile.load_module("layernorm.cu", tuple(names.values()), device)
     return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
 
 
-class LayerNormRows:
-    """The launch of one (rows, channels, dtype, device, alignment) geometry; `align`: bytes every pointer
-    of a call is a multiple of (16 for fresh allocations). One thread at a time calls it (its argument
-    slots are patched in place)."""
+def _checked_layout(rows: int, channels: int, dtype: str, param_dtype: str, align: int, backward: bool):
+    shape = layout(channels, dtype, align=align, backward=backward)
+    if shape is None or rows <= 0 or (dtype, param_dtype) not in _pairs():
+        raise ValueError(f"channels: {channels} {dtype} values a row ({param_dtype} parameters) is beyond this "
+                         f"kernel{' backward' if backward else ''}, rows {rows}")
+    return shape
 
-    def __init__(self, rows: int, channels: int, dtype: str, device: int, *, align: int):
-        shape = layout(channels, dtype, align=align)
-        if shape is None or rows <= 0:
-            raise ValueError(f"channels: {channels} {dtype} values a row is beyond this kernel "
-                             f"(at most {MAX_NV} vectors a thread, 32 threads a row), rows {rows}")
-        vec, nv, lanes = shape
-        self.ptrs = [ctypes.c_uint64(0) for _ in range(5)]
+
+class LayerNormRows:
+    """The forward of one (rows, channels, dtype, parameter dtype, device, alignment) geometry; `align`:
+    bytes every io pointer of a call is a multiple of, in io-dtype units for the parameters (16 for fresh
+    allocations). One thread at a time calls it (its argument slots are patched in place)."""
+
+    def __init__(self, rows: int, channels: int, dtype: str, device: int, *, align: int,
+                 param_dtype: str | None = None):
+        vec, nv, lanes = _checked_layout(rows, channels, dtype, param_dtype or dtype, align, False)
+        self.ptrs = [ctypes.c_uint64(0) for _ in range(7)]
         self.eps = ctypes.c_float(1e-5)
         args = [*self.ptrs, ctypes.c_int64(rows), ctypes.c_int32(channels), ctypes.c_int32(lanes.bit_length() - 1),
                 self.eps]
-        rows_per_block = THREADS // lanes
-        grid = max(1, min(-(-rows // rows_per_block), BLOCKS_PER_SM * driver.multiprocessors(device)))
-        self.kernel = driver.Kernel(_functions(dtype, device)[(vec, nv)], grid=grid, block=THREADS, args=args,
-                                    ordinal=device)
+        grid = max(1, min(-(-rows // (THREADS // lanes)), BLOCKS_PER_SM * driver.multiprocessors(device)))
+        fn = _functions(dtype, param_dtype or dtype, device)[("fwd", vec, nv)]
+        self.kernel = driver.Kernel(fn, grid=grid, block=THREADS, args=args, ordinal=device)
 
     def __call__(self, stream: int, *, x: int, y: int, eps: float, add: int = NULL, gamma: int = NULL,
-                 beta: int = NULL) -> None:
-        """y = layer_norm(x + add) * gamma + beta over each row; 0 = absent."""
-        for slot, value in zip(self.ptrs, (x, add, gamma, beta, y)):
+                 beta: int = NULL, mean: int = NULL, rstd: int = NULL) -> None:
+        """y = layer_norm(x + add) * gamma + beta over each row; `mean`, `rstd` (float32 a row) receive the
+        row statistics where given; 0 = absent."""
+        for slot, value in zip(self.ptrs, (x, add, gamma, beta, y, mean, rstd)):
             slot.value = value
         self.eps.value = eps
         self.kernel.launch(stream)
+
+
+class LayerNormBackward:
+    """The backward of one geometry: dx from dy, x and the forward's row statistics, and the parameters'
+    gradients through `partials_bytes` of float32 scratch (deterministic: a fixed grid per GPU model)."""
+
+    def __init__(self, rows: int, channels: int, dtype: str, device: int, *, align: int,
+                 param_dtype: str | None = None):
+        vec, nv, lanes = _checked_layout(rows, channels, dtype, param_dtype or dtype, align, True)
+        fns = _functions(dtype, param_dtype or dtype, device)
+        self.blocks = max(1, min(-(-rows // (THREADS // lanes)), BWD_BLOCKS_PER_SM * driver.multiprocessors(device)))
+        self.partials_bytes = self.blocks * 2 * channels * 4
+        self.ptrs = [ctypes.c_uint64(0) for _ in range(7)]
+        args = [*self.ptrs, ctypes.c_int64(rows), ctypes.c_int32(channels), ctypes.c_int32(lanes.bit_length() - 1)]
+        self.rows_kernel = driver.Kernel(fns[("bwd", vec, nv)], grid=self.blocks, block=THREADS, args=args,
+                                         ordinal=device)
+        self.params = [ctypes.c_uint64(0) for _ in range(3)]
+        self.params_kernel = driver.Kernel(fns[("params",)], grid=-(-2 * channels // THREADS), block=THREADS,
+                                           args=[*self.params, ctypes.c_int32(self.blocks), ctypes.c_int32(channels)],
+                                           ordinal=device)
+
+    def __call__(self, stream: int, *, dy: int, x: int, mean: int, rstd: int, dx: int, partials: int,
+                 gamma: int = NULL, dgamma: int = NULL, dbeta: int = NULL) -> None:
+        """dx (x's layout) and, where given, dgamma and dbeta (the parameters' dtype); 0 = absent."""
+        for slot, value in zip(self.ptrs, (dy, x, mean, rstd, gamma, dx, partials)):
+            slot.value = value
+        self.rows_kernel.launch(stream)
+        if dgamma or dbeta:
+            for slot, value in zip(self.params, (partials, dgamma, dbeta)):
+                slot.value = value
+            self.params_kernel.launch(stream)

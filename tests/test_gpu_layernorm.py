@@ -64,7 +64,8 @@ def test_rows_too_wide_and_views_that_are_not_rows_are_declined():
     assert _layernorm.layer_norm_rows(x, None, None, 1e-5) is None  # wider than a warp holds
     y = torch.randn(8, 96, device="cuda", dtype=torch.float16)
     assert _layernorm.layer_norm_rows(y.t(), None, None, 1e-5) is None  # not contiguous
-    assert _layernorm.layer_norm_rows(y, torch.ones(96, device="cuda"), None, 1e-5) is None  # float32 weight
+    assert _layernorm.layer_norm_rows(y, torch.ones(96, device="cuda", dtype=torch.bfloat16), None, 1e-5) is None
+    assert _layernorm.layer_norm_rows(y, torch.ones(96, device="cuda", dtype=torch.float64), None, 1e-5) is None
 
 
 @pytest.mark.parametrize("offset", [1, 2, 4])
@@ -215,3 +216,69 @@ def test_torchvision_convnext_tiny_inference_matches_torch():
         theirs = torch_model(x.half().to(memory_format=CL))
         got = ours(x.half().to(memory_format=CL))
     assert rel_err(got, want) < 2 * rel_err(theirs, want) + 1e-3
+
+
+# -- training: the LayerNorm's autograd node, the block's training path -------------------------------------
+
+@pytest.mark.parametrize("dtype,pdtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
+                                          (torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("c", [8, 96, 100, 384, 768])
+def test_the_autograd_layernorm_matches_float64_and_sums_its_parameters_deterministically(dtype, pdtype, c):
+    torch.manual_seed(c)
+    rows = 1000
+    x = (torch.randn(rows, c, device="cuda", dtype=torch.float64) * 2 + 3).to(dtype).requires_grad_()
+    w = (torch.rand(c, device="cuda", dtype=torch.float64) + 0.5).to(pdtype).requires_grad_()
+    b = torch.randn(c, device="cuda", dtype=torch.float64).to(pdtype).requires_grad_()
+    dy = torch.randn(rows, c, device="cuda").to(dtype)
+    if layernorm.layout(c, str(dtype).removeprefix("torch."), align=16, backward=True) is None:
+        assert _layernorm.layer_norm_autograd(x, w, b, 1e-5) is None  # wider than the backward holds: torch's
+        return
+    grads = []
+    for _ in range(2):
+        y = _layernorm.layer_norm_autograd(x, w, b, 1e-5)
+        assert y is not None and y.dtype == dtype
+        grads.append(torch.autograd.grad(y, (x, w, b), dy))
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = F.layer_norm(ref_in[0], (c,), ref_in[1], ref_in[2], 1e-5)
+    want = torch.autograd.grad(ref, ref_in, dy.double())
+    tol = TOL[dtype] * 4
+    assert rel_err(y, ref) < tol
+    for got, expected, name in zip(grads[0], want, ("dx", "dgamma", "dbeta")):
+        assert got.dtype == (dtype if name == "dx" else pdtype)
+        assert rel_err(got, expected) < tol, name
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)  # the parameters' sums in a fixed order
+
+
+def test_the_autograd_layernorm_declines_rows_the_backward_cannot_hold():
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.float16, requires_grad=True)
+    assert _layernorm.layer_norm_autograd(x, None, None, 1e-5) is None
+
+
+@pytest.mark.parametrize("amp", [True, False])
+def test_a_converted_convnext_block_trains_as_torchs(amp, monkeypatch):
+    dtype = torch.float32 if amp else torch.float16
+    block = _block(96, dtype).train()
+    ours = cgt.convert(nn.Sequential(copy.deepcopy(block)))[0]
+    ref = copy.deepcopy(block).double()
+    ran = []
+    real = _layernorm.LayerNormFunction.forward
+    monkeypatch.setattr(_layernorm.LayerNormFunction, "forward", staticmethod(lambda *a: ran.append(1) or real(*a)))
+    x = torch.randn(4, 96, 14, 14, device="cuda", dtype=dtype).to(memory_format=CL)
+    dy = torch.randn(4, 96, 14, 14, device="cuda", dtype=torch.float16 if amp else dtype).to(memory_format=CL)
+    results = []
+    for model in (ours, block):
+        xi = x.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+            out = model(xi)
+        grads = torch.autograd.grad(out, (xi, *model.parameters()), dy.to(out.dtype))
+        results.append((out, grads))
+    assert ran == [1]  # our LayerNorm served the converted block only
+    xd = x.detach().double().requires_grad_()
+    out = ref(xd)
+    want = (out, torch.autograd.grad(out, (xd, *ref.parameters()), dy.double()))
+    (got, got_g), (theirs, theirs_g) = results
+    assert got.dtype == theirs.dtype
+    assert rel_err(got, want[0]) < 2 * rel_err(theirs, want[0]) + 1e-3
+    for g, t, w in zip(got_g, theirs_g, want[1]):
+        assert rel_err(g, w) < 2 * rel_err(t, w) + 2e-3

@@ -169,9 +169,17 @@ def test_layernorm_kernels_compile_without_local_memory(arch):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
     found = kc.ptxas_resources("layernorm.cu", layernorm.name_expressions(), arch)
     assert set(found) == set(layernorm.name_expressions())
-    for name, res in found.items():
-        assert res["stack_bytes"] == 0 and res["spill_stores"] == 0 and res["registers"] <= 128, (name, res)
+    for name, res in found.items():  # the backward holds four floats a value: one 256-thread block an SM
+        limit = 160 if name.startswith("layer_norm_bwd_rows") else 128
+        assert res["stack_bytes"] == 0 and res["spill_stores"] == 0 and res["registers"] <= limit, (name, res)
 
 
-def test_layernorm_launcher_threads_are_the_kernels_own():
+def test_layernorm_launcher_constants_are_the_kernels_own():
     assert f"#define LN_THREADS {layernorm.THREADS} " in kc.source("layernorm.cu")
+    assert f"#define LN_MAX_CHANNELS {layernorm.MAX_CHANNELS} " in kc.source("layernorm.cu")
+
+
+def test_the_backward_takes_rows_of_up_to_three_vectors_a_thread():
+    assert layernorm.layout(768, "float16", align=16, backward=True) == (8, 3, 32)
+    assert layernorm.layout(1024, "float16", align=16, backward=True) is None  # 4 vectors a thread
+    assert layernorm.layout(96, "float32", align=16, backward=True) == (4, 3, 8)

@@ -1,16 +1,22 @@
-"""LayerNorm on this library's kernel where no gradient is wanted, and torchvision's ConvNeXt block in fewer passes.
+"""LayerNorm on this library's kernels, and torchvision's ConvNeXt block in fewer passes over memory.
 
-`convert` (both modes) points these modules' forwards here. A call with no gradient wanted, on CUDA, in
-float16 / bfloat16 / float32 with its parameters in the same dtype, outside autocast and torch.compile,
-whose rows are dense in memory, runs `fallback_kernels/layernorm.cu` (a row in a few threads' registers:
-read once, written once); any other call runs the module's own forward:
+`convert` (both modes) points these modules' forwards here:
 - `nn.LayerNorm` over the last dim, and torchvision's `LayerNorm2d` (over the channels of a channels-last
-  map). torch's kernel runs a block a row, slow on narrow rows: 113 us for 100352 rows of 96 float16
-  values (convnext_tiny's first stage at batch 32, H100).
-- torchvision's `CNBlock` in eval: the depthwise conv without its bias, then one kernel that adds the bias
-  and normalises, the first Linear and its activation, the second Linear with the layer scale folded into
-  its weight and bias (made again when any of them changes), and the input added in place. torch's block
-  adds the bias, normalises, scales and adds in four passes over the map, ours in one plus the add.
+  map): a call with no gradient wanted, on CUDA, in float16 / bfloat16 / float32 with its parameters in the
+  same dtype, outside autocast and torch.compile, whose rows are dense in memory, runs
+  `fallback_kernels/layernorm.cu` (a row in a few threads' registers: read once, written once); any other
+  call runs the module's own forward. torch's kernel runs a block a row, slow on narrow rows: 113 us for
+  100352 rows of 96 float16 values (convnext_tiny's first stage at batch 32, H100), ours 13.
+- torchvision's `CNBlock` with no gradient wanted (eval): the depthwise conv without its bias, then one
+  kernel that adds the bias and normalises, fc1 on cuBLASLt with its bias, the activation in place, fc2
+  with the layer scale folded into its weight and bias (made again when any of them changes) and the
+  block's input read in its epilogue. torch adds the bias, normalises, scales and adds in four passes over
+  the map, ours in one, and launches half the kernels.
+- `CNBlock` where a gradient is wanted (training): torch's forward with the LayerNorm on our autograd node
+  (`LayerNormFunction`: forward and backward kernels, the parameters' gradients summed in a fixed order),
+  its output in the conv's dtype under autocast (torch's LayerNorm writes float32, which fc1 casts back:
+  two casts and float32 traffic a block, more device time in convnext_tiny's AMP step than the LayerNorm's
+  own).
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
-from fallback_kernels.layernorm import LayerNormRows, layout
+from fallback_kernels.layernorm import LayerNormBackward, LayerNormRows, layout
 from fallback_kernels.types import ITEMSIZE
 
 from ..errors import SpecError
@@ -31,7 +38,7 @@ from ._chain import hooked
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_LAUNCHES = 256  # geometries kept (a model has a few; a loop over many shapes starts the memo again)
-_launches: dict[tuple, LayerNormRows] = {}
+_launches: dict[tuple, tuple | None] = {}  # geometry -> (forward, backward or None), None: not ours
 _lock = threading.Lock()  # a launch patches its argument slots in place
 
 
@@ -56,39 +63,106 @@ def layer_norm_rows(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     """F.layer_norm(x + add, (C,), weight, bias, eps) over x's last dim C, in a new tensor like x; None where
     the kernel does not take the call (x not contiguous, another dtype, a parameter of another dtype or
     device, rows too wide). No check of gradients or autocast: the caller's (`no_grad_cuda_call`)."""
-    c = x.shape[-1] if x.dim() else 0
-    dtype = _DTYPES.get(x.dtype)
-    if dtype is None or c == 0 or x.numel() == 0 or not x.is_contiguous():
+    found = _geometry(x, (weight, bias, add), backward=False)
+    if found is None:
         return None
-    for t in (weight, bias, add):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device or t.numel() != c or not t.is_contiguous()):
-            return None
-    rows = x.numel() // c
-    align = _alignment(x, weight, bias, add)
-    device = x.get_device()
-    key = (rows, c, dtype, device, align)
-    launch = _launches.get(key)
-    if launch is None:
-        if layout(c, dtype, align=align) is None:
-            return None
-        if len(_launches) >= _MAX_LAUNCHES:
-            _launches.clear()
-        launch = _launches.setdefault(key, LayerNormRows(rows, c, dtype, device, align=align))
+    launch, _ = found
     y = torch.empty_like(x)
-    stream = torch._C._cuda_getCurrentRawStream(device)
+    stream = torch._C._cuda_getCurrentRawStream(x.get_device())
     with _lock:
         launch(stream, x=x.data_ptr(), y=y.data_ptr(), eps=float(eps), add=_ptr(add), gamma=_ptr(weight),
                beta=_ptr(bias))
     return y
 
 
-def _alignment(*tensors: torch.Tensor | None) -> int:
-    """The largest power of two up to 16 that every tensor's address is a multiple of (a view can start anywhere)."""
-    bits = 16
+def _geometry(x: torch.Tensor, params: tuple, *, backward: bool) -> tuple | None:
+    """(LayerNormRows, LayerNormBackward or None) for x's rows and these per-channel operands (all of x's
+    dtype, or all float32 under a 16-bit x), or None where the kernels do not take them."""
+    c = x.shape[-1] if x.dim() else 0
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None or c == 0 or x.numel() == 0 or not x.is_contiguous():
+        return None
+    given = [t for t in params if t is not None]
+    pdtype = given[0].dtype if given else x.dtype
+    if pdtype is not x.dtype and (pdtype is not torch.float32 or x.dtype is torch.float32):
+        return None
+    for t in given:
+        if t.dtype is not pdtype or t.device != x.device or t.numel() != c or not t.is_contiguous():
+            return None
+    ratio = ITEMSIZE[_DTYPES[pdtype]] // ITEMSIZE[dtype]  # float32 parameters' vectors span twice the bytes
+    align = min(_alignment(x), _alignment(*given, cap=16 * ratio) // ratio)
+    key = (x.numel() // c, c, dtype, _DTYPES[pdtype], x.get_device(), align, backward)
+    found = _launches.get(key, 0)
+    if found == 0:
+        found = None
+        if layout(c, dtype, align=align, backward=backward) is not None:
+            rows, _, _, pname, device, _, _ = key
+            fwd = LayerNormRows(rows, c, dtype, device, align=align, param_dtype=pname)
+            found = (fwd, LayerNormBackward(rows, c, dtype, device, align=align, param_dtype=pname) if backward else None)
+        if len(_launches) >= _MAX_LAUNCHES:
+            _launches.clear()
+        _launches[key] = found
+    return found
+
+
+def _alignment(*tensors: torch.Tensor | None, cap: int = 16) -> int:
+    """The largest power of two up to `cap` that every tensor's address is a multiple of (a view can start
+    anywhere)."""
+    bits = cap
     for t in tensors:
         if t is not None:
             bits |= t.data_ptr()
     return bits & -bits
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """F.layer_norm over the last dim on our kernels, forward and backward, its output in x's dtype (float32
+    parameters with a 16-bit x: autocast's training). Made by `layer_norm_autograd`, which checks the call."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, launches):
+        fwd, _ = launches
+        rows = x.numel() // x.shape[-1]
+        y = torch.empty_like(x)
+        stats = torch.empty(2, rows, dtype=torch.float32, device=x.device)
+        stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+        with _lock:
+            fwd(stream, x=x.data_ptr(), y=y.data_ptr(), eps=float(eps), gamma=_ptr(weight), beta=_ptr(bias),
+                mean=stats.data_ptr(), rstd=stats[1].data_ptr())
+        ctx.save_for_backward(x, weight, stats)
+        ctx.launches, ctx.bias_like = launches, bias
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, stats = ctx.saved_tensors
+        bwd = ctx.launches[1]
+        dy = dy.contiguous()
+        dx = torch.empty_like(x)
+        want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dgamma = torch.empty_like(weight) if want_w else None
+        dbeta = torch.empty_like(ctx.bias_like) if want_b else None
+        partials = torch.empty(bwd.partials_bytes, dtype=torch.uint8, device=x.device)
+        stream = torch._C._cuda_getCurrentRawStream(x.get_device())
+        with _lock:
+            bwd(stream, dy=dy.data_ptr(), x=x.data_ptr(), mean=stats.data_ptr(), rstd=stats[1].data_ptr(),
+                dx=dx.data_ptr(), partials=partials.data_ptr(), gamma=_ptr(weight), dgamma=_ptr(dgamma),
+                dbeta=_ptr(dbeta))
+        return dx, dgamma, dbeta, None, None
+
+
+def layer_norm_autograd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                        eps: float) -> torch.Tensor | None:
+    """LayerNormFunction's output where our kernels take the call, else None. Its output is x's dtype: under
+    autocast torch's would be float32 (the caller decides whether that matters)."""
+    if not x.is_cuda or (x.dtype is torch.float32 and weight is not None and weight.dtype is not torch.float32):
+        return None
+    x = x if x.is_contiguous() else None
+    launches = None if x is None else _geometry(x, (weight, bias), backward=True)
+    if launches is None or launches[1] is None:
+        return None
+    return LayerNormFunction.apply(x, weight, bias, eps, launches)
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -162,9 +236,35 @@ def _plain_layer_norm(module: nn.Module) -> bool:
 
 
 def convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """CNBlock.forward in fewer passes where the call allows (see the module's docstring), else its own."""
+    """CNBlock.forward in fewer passes where no gradient is wanted, with its LayerNorm on our kernels where one
+    is (training), else its own (see the module's docstring)."""
     out = _convnext_block(self, x)
+    if out is None:
+        out = _convnext_block_training(self, x)
     return type(self).forward(self, x) if out is None else out
+
+
+def _convnext_block_training(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """CNBlock.forward as torch writes it, its LayerNorm on our kernels (forward and backward): under autocast
+    its output stays in the conv's 16-bit dtype, which fc1 would cast it to (torch's LayerNorm writes float32,
+    and the casts both ways cost a convnext_tiny training step more than the LayerNorm itself)."""
+    seq = block._modules["block"]
+    conv, first, norm, fc1, act, fc2, last = seq
+    if not x.is_cuda or x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last) \
+            or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or hooked((seq, *seq)):
+        return None
+    y = conv(x).permute(0, 2, 3, 1)
+    t = layer_norm_autograd(y, norm.weight, norm.bias, norm.eps) if not _autocast_mismatch(y) else None
+    t = norm(y) if t is None else t
+    result = block.layer_scale * fc2(act(fc1(t))).permute(0, 3, 1, 2)
+    result = block.stochastic_depth(result)
+    result += x
+    return result
+
+
+def _autocast_mismatch(y: torch.Tensor) -> bool:
+    """Whether autocast is on with another dtype than y's (our LayerNorm would write y's dtype, not fc1's)."""
+    return torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") is not y.dtype
 
 
 def _convnext_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
