@@ -256,24 +256,29 @@ def test_the_autograd_layernorm_declines_rows_the_backward_cannot_hold():
 
 
 @pytest.mark.parametrize("amp", [True, False])
-def test_a_converted_convnext_block_trains_as_torchs(amp, monkeypatch):
+def test_a_captured_convnext_block_trains_as_torchs_with_our_layernorm(amp, monkeypatch):
     dtype = torch.float32 if amp else torch.float16
     block = _block(96, dtype).train()
-    ours = cgt.convert(nn.Sequential(copy.deepcopy(block)))[0]
+    model = cgt.convert(nn.Sequential(copy.deepcopy(block)))
     ref = copy.deepcopy(block).double()
     ran = []
     real = _layernorm.LayerNormFunction.forward
     monkeypatch.setattr(_layernorm.LayerNormFunction, "forward", staticmethod(lambda *a: ran.append(1) or real(*a)))
     x = torch.randn(4, 96, 14, 14, device="cuda", dtype=dtype).to(memory_format=CL)
     dy = torch.randn(4, 96, 14, 14, device="cuda", dtype=torch.float16 if amp else dtype).to(memory_format=CL)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+        model(x.detach().clone().requires_grad_())  # an eager step: torch's LayerNorm (host time)
+        assert ran == []
+        captured = cgt.capture(model, x.detach().clone().requires_grad_())
+    assert ran  # the capture ran ours
     results = []
-    for model in (ours, block):
+    for step in (captured, block):
         xi = x.detach().clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            out = model(xi)
-        grads = torch.autograd.grad(out, (xi, *model.parameters()), dy.to(out.dtype))
-        results.append((out, grads))
-    assert ran == [1]  # our LayerNorm served the converted block only
+            out = step(xi)
+        params = list((model if step is captured else block).parameters())
+        grads = torch.autograd.grad(out, (xi, *params), dy.to(out.dtype))
+        results.append((out.clone(), grads))
     xd = x.detach().double().requires_grad_()
     out = ref(xd)
     want = (out, torch.autograd.grad(out, (xd, *ref.parameters()), dy.double()))
