@@ -24,7 +24,8 @@ MAX_NV = 8  # vectors a thread holds: 8 x 16 bytes of float16 = 64 float32 regis
 MAX_BWD_NV = 3  # the backward holds x, the gradient and two sums a value: 4 x 24 floats a thread
 TARGET_NV = 4  # fewer threads a row while each holds at most this many vectors: more bytes in flight a thread
 BLOCKS_PER_SM = 8  # grid-stride loop over rows: enough resident warps to keep the memory busy
-BWD_BLOCKS_PER_SM = 2  # the backward's blocks each add a row of partial sums: one wave of them
+BWD_BLOCKS_PER_SM = 2  # the backward's blocks each add a row of partial sums (two waves where ~140 registers a
+#                        thread leave one 256-thread block an SM)
 NULL = 0
 
 
@@ -66,8 +67,9 @@ def layout(channels: int, dtype: str, *, align: int, backward: bool = False) -> 
     size = ITEMSIZE[dtype]
     vec = next(v for v in _widths(dtype) if channels % v == 0 and align % (v * size) == 0)
     vectors = -(-channels // vec)
+    target = min(TARGET_NV, MAX_BWD_NV) if backward else TARGET_NV
     lanes = 1
-    while lanes < 32 and -(-vectors // lanes) > TARGET_NV:
+    while lanes < 32 and -(-vectors // lanes) > target:
         lanes *= 2
     nv = -(-vectors // lanes)
     return (vec, nv, lanes) if nv <= (MAX_BWD_NV if backward else MAX_NV) else None

@@ -179,8 +179,12 @@ def test_a_convnext_block_follows_its_parameters_and_takes_torchs_path_where_it_
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-def test_a_captured_convnext_block_replays_with_fresh_inputs():
+def test_a_captured_convnext_block_replays_with_fresh_inputs(monkeypatch):
     model = cgt.convert(nn.Sequential(_block(96, torch.float16)).eval(), inference=True)
+    fused = []
+    real = _layernorm._BlockLaunches.__call__
+    monkeypatch.setattr(_layernorm._BlockLaunches, "__call__",
+                        lambda *a: fused.append(torch.cuda.is_current_stream_capturing()) or real(*a))
     static = torch.randn(2, 96, 14, 14, device="cuda", dtype=torch.float16).to(memory_format=CL)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -191,12 +195,22 @@ def test_a_captured_convnext_block_replays_with_fresh_inputs():
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad(), torch.cuda.graph(graph):
         out = model(static)
+    assert fused[-1] is True  # the block's own launches are in the graph
     for seed in range(3):
         torch.manual_seed(seed)
         static.copy_(torch.randn_like(static))
         graph.replay()
         with torch.no_grad():
             assert torch.equal(out, model(static))
+    before = out.clone()
+    with torch.no_grad():  # new weights: the eager path folds them again; the graph keeps its capture's, alive
+        model[0].block[5].weight.mul_(2)
+        changed = model(static)
+    torch.cuda.synchronize()
+    for _ in range(3):
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(255)  # reuse any freed block
+    graph.replay()
+    assert torch.equal(out, before) and not torch.equal(changed, before)
 
 
 def test_torchvision_convnext_tiny_inference_matches_torch():
@@ -222,7 +236,7 @@ def test_torchvision_convnext_tiny_inference_matches_torch():
 
 @pytest.mark.parametrize("dtype,pdtype", [(torch.float16, torch.float16), (torch.float16, torch.float32),
                                           (torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
-@pytest.mark.parametrize("c", [8, 96, 100, 384, 768])
+@pytest.mark.parametrize("c", [8, 96, 100, 128, 384, 512, 768])
 def test_the_autograd_layernorm_matches_float64_and_sums_its_parameters_deterministically(dtype, pdtype, c):
     torch.manual_seed(c)
     rows = 1000
@@ -287,3 +301,60 @@ def test_a_captured_convnext_block_trains_as_torchs_with_our_layernorm(amp, monk
     assert rel_err(got, want[0]) < 2 * rel_err(theirs, want[0]) + 1e-3
     for g, t, w in zip(got_g, theirs_g, want[1]):
         assert rel_err(g, w) < 2 * rel_err(t, w) + 2e-3
+
+
+def test_the_autograd_layernorm_takes_a_gradient_that_starts_anywhere():
+    torch.manual_seed(3)
+    x = torch.randn(50, 96, device="cuda", dtype=torch.float16, requires_grad=True)
+    w = (torch.rand(96, device="cuda") + 0.5).requires_grad_()
+    y = _layernorm.layer_norm_autograd(x, w, None, 1e-5)
+    head = torch.zeros(3, device="cuda", dtype=torch.float16)
+    weights = torch.randn(3 + y.numel(), device="cuda", dtype=torch.float16)
+    (torch.cat([head, y.flatten()]) * weights).float().sum().backward()  # y's gradient: a view 6 bytes in
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (F.layer_norm(xd, (96,), wd, None, 1e-5).flatten() * weights[3:].double()).sum().backward()
+    assert rel_err(x.grad, xd.grad) < 8e-3 and rel_err(w.grad, wd.grad) < 8e-3
+
+
+def test_blocks_alike_but_for_their_activations_parameter_keep_their_own_launches():
+    outs = []
+    for slope in (0.1, 0.3):
+        block = _block(32, torch.float16)
+        block.block[4] = nn.LeakyReLU(slope)
+        model = cgt.convert(nn.Sequential(copy.deepcopy(block)).eval(), inference=True)
+        assert model.cudnn_graphs_report.convnext_blocks == ["0"]
+        x = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).to(memory_format=CL)
+        with torch.no_grad():
+            got, want = model(x), copy.deepcopy(block).double()(x.double())
+        outs.append(rel_err(got, want))
+    assert max(outs) < 4e-3
+
+
+def test_float32_parameters_aligned_to_16_bytes_only_take_narrower_vectors():
+    torch.manual_seed(5)
+    x = torch.randn(300, 96, device="cuda", dtype=torch.float16, requires_grad=True)
+    store = (torch.rand(2 * 96 + 4, device="cuda") + 0.5)
+    w = store[4:100].detach().requires_grad_()  # 16 bytes in: a float32 vector of 8 would need 32
+    b = store[100:196].detach().requires_grad_()
+    assert w.data_ptr() % 32 == 16
+    y = _layernorm.layer_norm_autograd(x, w, b, 1e-5)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = F.layer_norm(ref_in[0], (96,), ref_in[1], ref_in[2], 1e-5)
+    want = torch.autograd.grad(ref, ref_in, dy.double())
+    assert rel_err(y, ref) < 8e-3
+    for got, expected in zip(grads, want):
+        assert rel_err(got, expected) < 8e-3
+
+
+def test_a_block_with_a_transposed_weight_takes_torchs_path():
+    block = _block(32, torch.float16)
+    model = cgt.convert(nn.Sequential(copy.deepcopy(block)).eval(), inference=True)
+    w = model[0].block[3].weight
+    model[0].block[3].weight = nn.Parameter(w.detach().t().contiguous().t())  # same values, column-major
+    assert not model[0].block[3].weight.is_contiguous()
+    x = torch.randn(2, 32, 9, 9, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    with torch.no_grad():
+        assert _layernorm._convnext_block(model[0], x) is None
+        assert rel_err(model(x), block(x)) < 4e-3

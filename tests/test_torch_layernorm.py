@@ -116,6 +116,9 @@ def test_converted_blocks_deep_copy_and_layernorms_pickle_with_their_forwards():
     (lambda b: setattr(b.block, "2", nn.BatchNorm1d(8)), "no LayerNorm over C"),
     (lambda b: setattr(b.block, "5", nn.Linear(32, 4)), "MLP"),
     (lambda b: setattr(b, "layer_scale", nn.Parameter(torch.ones(8))), "layer scale"),
+    (lambda b: setattr(b.block, "0", nn.Conv2d(8, 8, 7, padding=3, groups=8, stride=2)), "changes the map's size"),
+    (lambda b: setattr(b.block, "0", nn.Conv2d(8, 8, 7, padding=2, groups=8)), "changes the map's size"),
+    (lambda b: setattr(b.block, "5", nn.Linear(16, 8)), "MLP"),  # fc1 gives 32 features
 ])
 def test_a_block_that_differs_from_torchvisions_stays_its_own_forward(change, why):
     block = CNBlock(8)
@@ -183,3 +186,5 @@ def test_the_backward_takes_rows_of_up_to_three_vectors_a_thread():
     assert layernorm.layout(768, "float16", align=16, backward=True) == (8, 3, 32)
     assert layernorm.layout(1024, "float16", align=16, backward=True) is None  # 4 vectors a thread
     assert layernorm.layout(96, "float32", align=16, backward=True) == (4, 3, 8)
+    for c, lanes in ((64, 4), (128, 8), (256, 16), (512, 32)):  # powers of two: more threads, not 4 vectors
+        assert layernorm.layout(c, "float16", align=16, backward=True) == (8, 2, lanes)

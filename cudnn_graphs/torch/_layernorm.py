@@ -99,7 +99,8 @@ def _geometry(x: torch.Tensor, params: tuple, *, backward: bool) -> tuple | None
         if layout(c, dtype, align=align, backward=backward) is not None:
             rows, _, _, pname, device, _, _ = key
             fwd = LayerNormRows(rows, c, dtype, device, align=align, param_dtype=pname)
-            found = (fwd, LayerNormBackward(rows, c, dtype, device, align=align, param_dtype=pname) if backward else None)
+            bwd = LayerNormBackward(rows, c, dtype, device, align=align, param_dtype=pname) if backward else None
+            found = (fwd, bwd)
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
         _launches[key] = found
@@ -140,6 +141,8 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, stats = ctx.saved_tensors
         bwd = ctx.launches[1]
         dy = dy.contiguous()
+        if dy.data_ptr() % 16:  # a view's gradient can start anywhere: the backward loads 16-byte vectors
+            dy = dy.clone()
         dx = torch.empty_like(x)
         want_w, want_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dgamma = torch.empty_like(weight) if want_w else None
@@ -219,15 +222,23 @@ def why_not_convnext_block(block: nn.Module) -> str | None:
          "the depthwise conv is not converted"),
         (conv.groups == conv.in_channels == conv.out_channels == c and conv.padding_mode == "zeros"
          and conv.activation.is_identity, "the conv is not a plain depthwise conv of the block's channels"),
+        (_keeps_shape(conv), "the conv changes the map's size (the block adds its input to its output)"),
         (list(getattr(first, "dims", ())) == [0, 2, 3, 1] and list(getattr(last, "dims", ())) == [0, 3, 1, 2],
          "the permutes are not NCHW -> NHWC -> NCHW"),
         (_plain_layer_norm(norm) and tuple(norm.normalized_shape) == (c,), "no LayerNorm over C"),
-        (type(fc1) is nn.Linear and type(fc2) is nn.Linear and fc1.in_features == c and fc2.out_features == c,
-         "the MLP is not two nn.Linear of the block's width"),
+        (type(fc1) is nn.Linear and type(fc2) is nn.Linear and fc1.in_features == c and fc2.out_features == c
+         and fc2.in_features == fc1.out_features, "the MLP is not two nn.Linear of the block's width"),
         (_activation_of(act) is not None, f"{type(act).__name__} is not an activation of torch's"),
         (tuple(scale.shape) == (c, 1, 1), "the layer scale is not (C, 1, 1)"),
     )
     return next((why for ok, why in checks if not ok), None)
+
+
+def _keeps_shape(conv: nn.Module) -> bool:
+    """Stride 1, dilation 1, odd kernels padded by half: the output has the input's size."""
+    return all(s == 1 for s in conv.stride) and all(d == 1 for d in conv.dilation) \
+        and not isinstance(conv.padding, str) \
+        and all(k % 2 == 1 and p == k // 2 for k, p in zip(conv.kernel_size, conv.padding))
 
 
 def _plain_layer_norm(module: nn.Module) -> bool:
@@ -282,21 +293,25 @@ def _convnext_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
             or torch.is_autocast_enabled("cuda") or not torch._C._get_cudnn_enabled():
         return None
-    p = (conv._parameters["bias"], norm._parameters["weight"], norm._parameters["bias"], fc1._parameters["weight"],
-         fc1._parameters["bias"], conv._parameters["weight"], fc2._parameters["weight"], fc2._parameters["bias"],
-         block.layer_scale)
+    # .get: a parametrization added after convert moves a weight out of _parameters (then torch's forward)
+    p = (conv._parameters.get("bias"), norm._parameters.get("weight"), norm._parameters.get("bias"),
+         fc1._parameters.get("weight"), fc1._parameters.get("bias"), conv._parameters.get("weight"),
+         fc2._parameters.get("weight"), fc2._parameters.get("bias"), block._parameters.get("layer_scale"))
     dtype, device = x.dtype, x.get_device()
-    if any(t is not None and (t.dtype is not dtype or t.get_device() != device) for t in p):
+    if any(t is None or t.dtype is not dtype or t.get_device() != device or not t.is_contiguous() for t in p):
+        return None  # every operand present, dense, of x's dtype and device: the launches read raw pointers
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in p)):
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in p)):
+    if not x.is_contiguous(memory_format=torch.channels_last) \
+            or hooked((seq, *seq, block._modules["stochastic_depth"])):
         return None
-    if not x.is_contiguous(memory_format=torch.channels_last) or hooked((seq, *seq)):
-        return None
-    launches = _block_launches(x, p, norm, fc1, act)
+    launches = _block_launches(x, p, fc1, act)
     scaled = None if launches is None else _scaled_fc2(block, fc2)
     if scaled is None:
         return None
     y = conv._conv_forward(x, conv.weight, None)  # its bias goes into the LayerNorm's pass
+    if y.shape != x.shape or not y.is_contiguous(memory_format=torch.channels_last):
+        return None  # not the rows the launches were made for (a conv that fell back to another layout)
     return launches(x, y, p[:5], scaled, norm.eps)
 
 
@@ -305,15 +320,13 @@ class _BlockLaunches:
     adding the conv's bias, fc1 on cuBLASLt with its bias, the activation in place, fc2 (the layer scale
     folded in) with its bias and the block's input read in its epilogue. One thread at a time calls it."""
 
-    def __init__(self, rows: int, c: int, hidden: int, dtype: str, device: int, act: nn.Module, tf32: bool,
+    def __init__(self, rows: int, c: int, hidden: int, dtype: str, device: int, act, tf32: bool,
                  align: tuple[int, int]):
         from fallback_kernels import cublaslt
         from fallback_kernels.gemm_act import FlatActivation
 
-        from ._convert import _activation_of
-
         self.ln = LayerNormRows(rows, c, dtype, device, align=16)
-        self.act = FlatActivation(rows * hidden, dtype, device, _activation_of(act))
+        self.act = FlatActivation(rows * hidden, dtype, device, act)
         geometry = functools.partial(cublaslt.Geometry, device, dtype, rows, epilogue="BIAS", tf32=tf32)
         self.fc1 = cublaslt.lt_gemm(geometry(hidden, c, ("row", c), ("col", c), hidden, align=(256, align[0], 256)))
         self.fc2 = cublaslt.lt_gemm(geometry(c, hidden, ("row", hidden), ("col", hidden), c,
@@ -341,33 +354,36 @@ class _BlockLaunches:
 _blocks: dict[tuple, _BlockLaunches | None] = {}
 
 
-def _block_launches(x: torch.Tensor, p: tuple, norm: nn.Module, fc1: nn.Linear, act: nn.Module):
+def _block_launches(x: torch.Tensor, p: tuple, fc1: nn.Linear, act: nn.Module):
     """The prepared launches of this call's geometry, or None where they cannot serve it: a row too wide for the
     LayerNorm kernel, operands not 16-byte aligned, a bias missing, cuBLASLt absent or refusing, another device
     current (cuBLASLt launches on the current one), or an activation without a flat pass of ours."""
     from fallback_kernels import cublaslt
 
+    from ._convert import _activation_of
+
     n, c, hh, ww = x.shape
     hidden = fc1.out_features
+    if torch.cuda.current_device() != x.get_device():  # cuBLASLt's handle and plans belong to the current one
+        return None
     tf32 = x.dtype is torch.float32 and torch._C._get_cublas_allow_tf32()
     # cuBLASLt plans for the alignment class of each operand: fc1's weight and the residual (the block's input)
     # are the caller's, the rest fresh allocations (256 bytes)
     align = (cublaslt.alignment(p[3].data_ptr()), min(256, cublaslt.alignment(x.data_ptr())))
-    key = (n * hh * ww, c, hidden, x.dtype, x.get_device(), type(act), getattr(act, "approximate", None), tf32,
-           align, _alignment(x, *p) >= 16 and all(t is not None for t in p[:5]))
+    key = (n * hh * ww, c, hidden, x.dtype, x.get_device(), _activation_of(act), tf32, align, _alignment(x, *p) >= 16)
     if key in _blocks:
         launches = _blocks[key]
     else:
         launches = None
         if key[-1] and rows_supported(c, x.dtype) and cublaslt.available():
             try:
-                launches = _BlockLaunches(key[0], c, hidden, _DTYPES[x.dtype], key[4], act, tf32, align)
+                launches = _BlockLaunches(key[0], c, hidden, _DTYPES[x.dtype], key[4], key[5], tf32, align)
             except (cublaslt.CublasLtError, SpecError, ValueError):
                 launches = None
         if len(_blocks) >= _MAX_LAUNCHES:
             _blocks.clear()
         _blocks[key] = launches
-    return launches if launches is not None and torch.cuda.current_device() == key[4] else None
+    return launches
 
 
 def _up(nbytes: int) -> int:
@@ -375,18 +391,25 @@ def _up(nbytes: int) -> int:
 
 
 def _scaled_fc2(block: nn.Module, fc2: nn.Linear) -> tuple | None:
-    """(weight, bias) of layer_scale * fc2(.), made again when the scale or fc2's parameters change; None
-    where they changed inside a CUDA-graph capture (made there, they would hold values only on replay)."""
-    scale = block.layer_scale
-    versions = tuple((t.data_ptr(), t._version) for t in (scale, fc2.weight, fc2.bias) if t is not None)
-    held = block.__dict__.get("_cudnn_graphs_scaled_fc2")
-    if held is not None and held[0] == versions:
-        return held[1]
-    if torch.cuda.is_current_stream_capturing():
+    """(weight, bias) of layer_scale * fc2(.), made again when the scale or fc2's parameters change (their
+    version counters: an update through `.data` is not seen); None where they changed inside a CUDA-graph
+    capture (made there, they would hold values only on replay) or are inference tensors (no version counter:
+    torch's forward then). A graph captured through this path keeps the pair of its capture, alive and as it
+    was: capture again after changing the parameters."""
+    parts = (block.layer_scale, fc2.weight, fc2.bias)
+    if any(t.is_inference() for t in parts):
         return None
-    with torch.no_grad():
-        s = scale.detach().reshape(-1).double()
-        weight = (fc2.weight.double() * s[:, None]).to(fc2.weight.dtype)
-        bias = None if fc2.bias is None else (fc2.bias.double() * s).to(fc2.bias.dtype)
-    block.__dict__["_cudnn_graphs_scaled_fc2"] = (versions, (weight, bias))
-    return weight, bias
+    versions = tuple((t.data_ptr(), t._version) for t in parts)
+    held = block.__dict__.get("_cudnn_graphs_scaled_fc2")
+    capturing = torch.cuda.is_current_stream_capturing()
+    if held is None or held[0] != versions:
+        if capturing:
+            return None
+        with torch.no_grad():
+            s = parts[0].detach().reshape(-1).double()
+            weight = (fc2.weight.double() * s[:, None]).to(fc2.weight.dtype).contiguous()
+            bias = (fc2.bias.double() * s).to(fc2.bias.dtype)
+        held = block.__dict__["_cudnn_graphs_scaled_fc2"] = (versions, (weight, bias))
+    if capturing:  # the graph reads these addresses on every replay: never freed while the block lives
+        block.__dict__.setdefault("_cudnn_graphs_captured_fc2", []).append(held[1])
+    return held[1]

@@ -48,6 +48,7 @@ class PreActivation:
         self._coef: tuple = ((), None)  # (the versions they were made from, (scale16, shift16))
         self._w16: tuple = ((), None)  # under autocast: (the weight version, its float16 copy)
         self._why: str | None = None  # why the last new geometry runs unfused
+        self._captured: list = []  # operands a CUDA graph captured through this site reads: never freed
         self.held: tuple = ()  # places(...) of the modules convert found: the report tells when one moved
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,8 @@ class PreActivation:
         stats = _scratch(device, k, stream)
         ptrs = (x16.data_ptr(), scale.data_ptr(), shift.data_ptr(), w.data_ptr(), y.data_ptr(), stats,
                 stats + _up(4 * k))
+        if torch.cuda.is_current_stream_capturing():  # the graph reads these on every replay: kept alive
+            self._captured.append(operands)
         launcher.launch(ptrs, stream, capture_probe("torch", None))
         return y
 
