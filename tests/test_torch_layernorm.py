@@ -78,7 +78,7 @@ def test_convert_finds_the_layernorms_and_convnext_blocks_and_keeps_the_state_di
     report = model.cudnn_graphs_report
     assert report.convnext_blocks == ["2", "3"]
     assert report.layer_norms == ["1", "2.block.2", "3.block.2", "4", "7"]
-    assert "2 ConvNeXt blocks" in str(report) and "5 LayerNorm" in str(report)
+    assert "2 ConvNeXt blocks" in str(report) and "5 LayerNorm" in str(report) and report.unfused_convnext == []
     assert list(model.state_dict()) == list(torch_model.state_dict())
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
@@ -124,9 +124,11 @@ def test_a_block_that_differs_from_torchvisions_stays_its_own_forward(change, wh
     block = CNBlock(8)
     change(block)
     model = cgt.convert(nn.Sequential(block).eval(), inference=True)
-    assert model.cudnn_graphs_report.convnext_blocks == []
-    assert "forward" not in vars(model[0])
+    report = model.cudnn_graphs_report
+    assert report.convnext_blocks == [] and "forward" not in vars(model[0])
     assert why in why_not_convnext_block(model[0])
+    assert report.unfused_convnext == [("0", why_not_convnext_block(model[0]))]
+    assert f"ConvNeXt block 0 runs its own forward: {report.unfused_convnext[0][1]}" in str(report)
 
 
 def test_only_torchs_layernorm_and_torchvisions_layernorm2d_are_taken():

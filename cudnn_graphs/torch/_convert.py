@@ -65,6 +65,7 @@ class ConversionReport:
     # no gradient wanted: LayerNorm modules on our kernel; torchvision ConvNeXt blocks in fewer passes
     layer_norms: list[str] = field(default_factory=list)
     convnext_blocks: list[str] = field(default_factory=list)
+    unfused_convnext: list[tuple[str, str]] = field(default_factory=list)  # (block, why its own forward runs)
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
     train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
@@ -87,9 +88,12 @@ class ConversionReport:
             lines.append(f"{len(self.prologues)} BatchNorm -> ReLU -> conv, each one graph in eval (the conv's prologue):")
             lines += [f"  {where}: {site.status()}" for where, site in self.prologues]
         lines += [f"BatchNorm -> ReLU -> {where} stays three kernels in eval: {why}" for where, why in self.no_prologue]
-        if self.layer_norms or self.convnext_blocks:
-            lines.append(f"{len(self.layer_norms)} LayerNorm and {len(self.convnext_blocks)} ConvNeXt blocks on "
-                         f"this library's LayerNorm kernel where no gradient is wanted")
+        if self.layer_norms:
+            lines.append(f"{len(self.layer_norms)} LayerNorm on this library's kernel where no gradient is wanted")
+        if self.convnext_blocks:
+            lines.append(f"{len(self.convnext_blocks)} ConvNeXt blocks in fewer passes where no gradient is wanted "
+                         f"(their LayerNorm on this library's autograd node in captured training)")
+        lines += [f"ConvNeXt block {where} runs its own forward: {why}" for where, why in self.unfused_convnext]
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -564,7 +568,11 @@ def _layer_norms(model: nn.Module, report: ConversionReport) -> None:
         if kind is not None:
             module.forward = _Forward(forwards[kind], module)
             report.layer_norms.append(name)
-        elif _convnext_block(module) and why_not_convnext_block(module) is None:
+        elif _convnext_block(module):
+            why = why_not_convnext_block(module)
+            if why is not None:
+                report.unfused_convnext.append((name, why))
+                continue
             slots = [(module, "block"), (module, "stochastic_depth"),
                      *((module.block, n) for n in module.block._modules)]
             module.forward = _Forward(convnext_block_forward, module, places(slots))
