@@ -248,8 +248,8 @@ def _plain_layer_norm(module: nn.Module) -> bool:
 
 
 def convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """CNBlock.forward in fewer passes where no gradient is wanted, with its LayerNorm on our kernels where one
-    is (training), else its own (see the module's docstring)."""
+    """CNBlock.forward in fewer passes where no gradient is wanted; else, while a CUDA graph is captured, torch's
+    forward with its LayerNorm on our autograd node; else its own (see the module's docstring)."""
     out = _convnext_block(self, x)
     if out is None:
         out = _convnext_block_training(self, x)
