@@ -35,12 +35,13 @@ from fallback_kernels.types import ITEMSIZE
 
 from ..errors import SpecError
 
-from ._chain import hooked
+from ._chain import _up, hooked
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_LAUNCHES = 256  # geometries kept (a model has a few; a loop over many shapes starts the memo again)
 _launches: dict[tuple, tuple | None] = {}  # geometry -> (forward, backward or None), None: not ours
 _lock = threading.Lock()  # a launch patches its argument slots in place
+_UNSEEN = object()  # a memo's miss (None is kept: a geometry our kernels do not take)
 
 
 def no_grad_cuda_call(x: torch.Tensor, params) -> bool:
@@ -93,8 +94,8 @@ def _geometry(x: torch.Tensor, params: tuple, *, backward: bool) -> tuple | None
     ratio = ITEMSIZE[_DTYPES[pdtype]] // ITEMSIZE[dtype]  # float32 parameters' vectors span twice the bytes
     align = min(_alignment(x), _alignment(*given, cap=16 * ratio) // ratio)
     key = (x.numel() // c, c, dtype, _DTYPES[pdtype], x.get_device(), align, backward)
-    found = _launches.get(key, 0)
-    if found == 0:
+    found = _launches.get(key, _UNSEEN)
+    if found is _UNSEEN:
         found = None
         if layout(c, dtype, align=align, backward=backward) is not None:
             rows, _, _, pname, device, _, _ = key
@@ -370,10 +371,10 @@ def _block_launches(x: torch.Tensor, p: tuple, fc1: nn.Linear, act: nn.Module):
     # cuBLASLt plans for the alignment class of each operand: fc1's weight and the residual (the block's input)
     # are the caller's, the rest fresh allocations (256 bytes)
     align = (cublaslt.alignment(p[3].data_ptr()), min(256, cublaslt.alignment(x.data_ptr())))
-    key = (n * hh * ww, c, hidden, x.dtype, x.get_device(), _activation_of(act), tf32, align, _alignment(x, *p) >= 16)
-    if key in _blocks:
-        launches = _blocks[key]
-    else:
+    key = (n * hh * ww, c, hidden, x.dtype, x.get_device(), _activation_of(act), tf32, align,
+           _alignment(x, *p) >= 16)
+    launches = _blocks.get(key, _UNSEEN)
+    if launches is _UNSEEN:
         launches = None
         if key[-1] and rows_supported(c, x.dtype) and cublaslt.available():
             try:
@@ -384,10 +385,6 @@ def _block_launches(x: torch.Tensor, p: tuple, fc1: nn.Linear, act: nn.Module):
             _blocks.clear()
         _blocks[key] = launches
     return launches
-
-
-def _up(nbytes: int) -> int:
-    return -(-nbytes // 256) * 256
 
 
 def _scaled_fc2(block: nn.Module, fc2: nn.Linear) -> tuple | None:
