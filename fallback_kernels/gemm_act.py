@@ -148,6 +148,40 @@ class FlatActivation:
         self.kernel.launch(stream)
 
 
+class FlatActivationBackward:
+    """g = dy * act'(pre) over [rows, n] contiguous values of `dtype`, and the bias gradient sum(g) over the rows
+    as float32 (deterministic: per-block column sums, then one fixed-order sum), as two launches: the
+    backward's pass of an activation whose derivative reads the pre-activation (not leaky_relu's bit mask).
+    Pointers 16-byte aligned, n a multiple of VEC[dtype], `partials_bytes` of float32 scratch a call. One
+    thread at a time calls it."""
+
+    def __init__(self, rows: int, n: int, dtype: str, device: int, activation: Any):
+        act = _activation(activation)
+        if dtype not in VEC or rows <= 0 or n <= 0 or n % VEC[dtype] or _aux_kind(act.name) != AUX_PRE:
+            raise SpecError("activation", act.name, f"a pass over a saved pre-activation, [{rows}, {n}] {dtype} "
+                            f"values (n a multiple of {VEC.get(dtype)})")
+        v = VEC[dtype]
+        name = f"act_bwd<{CTYPES[dtype]}, {v}, {AUX_PRE}, {ACT_CODES[act.name]}>"
+        fn = _compile.cufunction(_function(dtype, device, name, act.name), device)
+        rpb = _rows_per_block(rows, n, v, device, _blocks_per_sm(dtype, device, name, act.name))
+        blocks = _cdiv(rows, rpb)
+        self.partials_bytes = blocks * n * 4
+        self.ptrs = [ctypes.c_uint64(0) for _ in range(5)]  # dy, pre, mask (none), g, partial
+        self.kernel = driver.Kernel(fn, grid=(_cdiv(n, 32 * v), blocks), block=BLOCK, ordinal=device,
+                                    args=[*self.ptrs, _i64(rows), _i32(n), _i32(rpb), _i32(0), _f32(act.param or 0.0)])
+        finalize = _compile.cufunction(_function("float32", device, "bias_finalize<float>", None), device)
+        self.fin_ptrs = [ctypes.c_uint64(0), ctypes.c_uint64(0)]
+        self.finalize = driver.Kernel(finalize, grid=_grid_1d(n), block=256, ordinal=device,
+                                      args=[self.fin_ptrs[0], _i32(blocks), _i32(n), self.fin_ptrs[1], _i64(1), _i32(0)])
+
+    def __call__(self, stream: int, *, dy: int, pre: int, g: int, partials: int, dbias: int) -> None:
+        for slot, value in zip(self.ptrs, (dy, pre, 0, g, partials)):
+            slot.value = value
+        self.kernel.launch(stream)
+        self.fin_ptrs[0].value, self.fin_ptrs[1].value = partials, dbias
+        self.finalize.launch(stream)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     import cupy

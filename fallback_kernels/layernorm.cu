@@ -105,25 +105,65 @@ __global__ void __launch_bounds__(LN_THREADS, 2) layer_norm_rows(
     }
 }
 
-// The backward of layer_norm_rows (no add) from the forward's mean and rstd: per row, with xhat = (x - mean) *
+template <int VEC, int NV>
+__device__ __forceinline__ void zero_sums(float (&first)[NV][VEC], float (&second)[NV][VEC]) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) first[j][k] = second[j][k] = 0.f;
+}
+
+// A block's row of `partials` (2C floats: first's sums, then second's) from every thread's per-channel sums
+// over the rows it visited: the groups of a warp hold the same channels, so they add across the lane bits
+// above a group's, then the block's warps add theirs in a fixed order. layer_norm_bwd_params sums the rows.
+template <int VEC, int NV>
+__device__ __forceinline__ void block_partials(float (&first)[NV][VEC], float (&second)[NV][VEC], const Groups& grp,
+                                               int C, float* __restrict__ partials) {
+    __shared__ float block_sums[2 * LN_MAX_CHANNELS];
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+            for (int off = grp.lanes; off < 32; off <<= 1) {
+                first[j][k] += __shfl_xor_sync(0xffffffffu, first[j][k], off);
+                second[j][k] += __shfl_xor_sync(0xffffffffu, second[j][k], off);
+            }
+    const int w = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) block_sums[i] = 0.f;
+    for (int turn = 0; turn < warps; ++turn) {  // the warps in order: a fixed summation order
+        __syncthreads();
+        if (w == turn && grp.sub == 0) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int c = (j * grp.lanes + grp.lane) * VEC;
+                if (c < C)
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k) {
+                        block_sums[c + k] += first[j][k];
+                        block_sums[C + c + k] += second[j][k];
+                    }
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partials[(long long)blockIdx.x * 2 * C + i] = block_sums[i];
+}
+
+// The backward of layer_norm_rows from the forward's mean and rstd: per row, with xhat = (x [+ add] - mean) *
 // rstd and g = dy * gamma,  dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); per channel, dgamma = sum(dy *
 // xhat) and dbeta = sum(dy) over the rows. Each thread sums its channels over the rows it visits; the groups
 // of a warp, then the block's warps in a fixed order, add theirs into the block's row of `partials` (2C floats
 // a block: dgamma's, then dbeta's); layer_norm_bwd_params sums those rows in order: deterministic for a grid.
 template <typename T, typename P, int VEC, int NV>
 __global__ void __launch_bounds__(LN_THREADS, 1) layer_norm_bwd_rows(
-        const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean_in,
-        const float* __restrict__ rstd_in, const P* __restrict__ gamma, T* __restrict__ dx,
-        float* __restrict__ partials, long long rows, int C, int lanes_log2) {
-    __shared__ float block_sums[2 * LN_MAX_CHANNELS];
+        const T* __restrict__ dy, const T* __restrict__ x, const P* __restrict__ add,
+        const float* __restrict__ mean_in, const float* __restrict__ rstd_in, const P* __restrict__ gamma,
+        T* __restrict__ dx, float* __restrict__ partials, long long rows, int C, int lanes_log2) {
     const Groups grp = groups(lanes_log2);
     const int lanes = grp.lanes, lane = grp.lane, sub = grp.sub;
     const float inv_c = 1.f / (float)C;
     float dg[NV][VEC], db[NV][VEC];
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) dg[j][k] = db[j][k] = 0.f;
+    zero_sums<VEC, NV>(dg, db);
     for (long long base = grp.first; base < rows; base += grp.step) {
         const long long row = base + sub;
         const bool live = row < rows;
@@ -137,6 +177,12 @@ __global__ void __launch_bounds__(LN_THREADS, 1) layer_norm_bwd_rows(
                 float d[VEC], w[VEC];
                 load<T, VEC>(x, row * C + c, xh[j]);
                 load<T, VEC>(dy, row * C + c, d);
+                if (add != nullptr) {
+                    float b[VEC];
+                    load<P, VEC>(add, c, b);
+#pragma unroll
+                    for (int k = 0; k < VEC; ++k) xh[j][k] += b[k];
+                }
                 if (gamma != nullptr) load<P, VEC>(gamma, c, w);
                 else for (int k = 0; k < VEC; ++k) w[k] = 1.f;
 #pragma unroll
@@ -161,34 +207,7 @@ __global__ void __launch_bounds__(LN_THREADS, 1) layer_norm_bwd_rows(
             }
         }
     }
-    // the groups of a warp hold the same channels: add them across the lane bits above a group's
-#pragma unroll
-    for (int j = 0; j < NV; ++j)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-            for (int off = lanes; off < 32; off <<= 1) {
-                dg[j][k] += __shfl_xor_sync(0xffffffffu, dg[j][k], off);
-                db[j][k] += __shfl_xor_sync(0xffffffffu, db[j][k], off);
-            }
-    const int w = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) block_sums[i] = 0.f;
-    for (int turn = 0; turn < warps; ++turn) {  // the warps in order: a fixed summation order
-        __syncthreads();
-        if (w == turn && sub == 0) {
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int c = (j * lanes + lane) * VEC;
-                if (c < C)
-#pragma unroll
-                    for (int k = 0; k < VEC; ++k) {
-                        block_sums[c + k] += dg[j][k];
-                        block_sums[C + c + k] += db[j][k];
-                    }
-            }
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 2 * C; i += blockDim.x) partials[(long long)blockIdx.x * 2 * C + i] = block_sums[i];
+    block_partials<VEC, NV>(dg, db, grp, C, partials);
 }
 
 // dgamma[c], dbeta[c] = the sums of the blocks' partial rows, in block order; either may be null (not wanted).
@@ -204,4 +223,68 @@ __global__ void layer_norm_bwd_params(const float* __restrict__ partials, P* __r
     } else if (dbeta != nullptr) {
         dbeta[i - C] = from_acc<P>(sum);
     }
+}
+
+// ConvNeXt's block end in training (torchvision's CNBlock under autocast): out = x + (z + bias) * gamma *
+// noise[sample], float32 as torch's type promotion makes it (gamma, the layer scale, is float32). z: fc2's
+// output without its bias, rows of C; noise: stochastic depth's per-sample factor (null: none), a sample
+// `sample_elems` values. TX: the block input's type (T, or float32 between blocks). C % VEC == 0; x, z and out
+// aligned to VEC values.
+template <typename TX, typename T, int VEC>
+__global__ void __launch_bounds__(256) layer_scale_residual(
+        const TX* __restrict__ x, const T* __restrict__ z, const float* __restrict__ bias,
+        const float* __restrict__ gamma, const float* __restrict__ noise, float* __restrict__ out,
+        long long vectors, int C, long long sample_elems) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < vectors;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long e = i * VEC;
+        const int c = (int)(e % C);
+        float v[VEC], zv[VEC], b[VEC], g[VEC];
+        load<TX, VEC>(x, e, v);
+        load<T, VEC>(z, e, zv);
+        load<float, VEC>(bias, c, b);
+        load<float, VEC>(gamma, c, g);
+        const float s = noise != nullptr ? noise[e / sample_elems] : 1.f;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[k] += (zv[k] + b[k]) * g[k] * s;
+        store<float, VEC>(out, e, v);
+    }
+}
+
+// Its backward: dz = dy * gamma * noise (T, fc2's output gradient) and, per channel, the layer scale's gradient
+// sum(dy * noise * (z + bias)) and fc2's bias gradient sum(dz) (unrounded) into the block's row of `partials`
+// (layer_norm_bwd_params finishes them). The rows in LayerNorm's groups: narrow rows keep every lane busy.
+template <typename T, int VEC, int NV>
+__global__ void __launch_bounds__(LN_THREADS, 2) layer_scale_bwd(
+        const float* __restrict__ dy, const T* __restrict__ z, const float* __restrict__ bias,
+        const float* __restrict__ gamma, const float* __restrict__ noise, T* __restrict__ dz,
+        float* __restrict__ partials, long long rows, int C, int lanes_log2, long long sample_rows) {
+    const Groups grp = groups(lanes_log2);
+    float dg[NV][VEC], db[NV][VEC];
+    zero_sums<VEC, NV>(dg, db);
+    for (long long base = grp.first; base < rows; base += grp.step) {
+        const long long row = base + grp.sub;
+        if (row >= rows) continue;  // no shuffle below: lanes may leave
+        const float s = noise != nullptr ? noise[row / sample_rows] : 1.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int c = (j * grp.lanes + grp.lane) * VEC;
+            if (c < C) {
+                float d[VEC], zv[VEC], b[VEC], g[VEC];
+                load<float, VEC>(dy, row * C + c, d);
+                load<T, VEC>(z, row * C + c, zv);
+                load<float, VEC>(bias, c, b);
+                load<float, VEC>(gamma, c, g);
+#pragma unroll
+                for (int k = 0; k < VEC; ++k) {
+                    const float ds = d[k] * s;
+                    dg[j][k] += ds * (zv[k] + b[k]);
+                    d[k] = ds * g[k];
+                    db[j][k] += d[k];
+                }
+                store<T, VEC>(dz, row * C + c, d);
+            }
+        }
+    }
+    block_partials<VEC, NV>(dg, db, grp, C, partials);
 }

@@ -26,6 +26,7 @@ TARGET_NV = 4  # fewer threads a row while each holds at most this many vectors:
 BLOCKS_PER_SM = 8  # grid-stride loop over rows: enough resident warps to keep the memory busy
 BWD_BLOCKS_PER_SM = 2  # the backward's blocks each add a row of partial sums (two waves where ~140 registers a
 #                        thread leave one 256-thread block an SM)
+SCALE_VEC = 8  # the layer-scale kernels' values a vector: 16 bytes of a 16-bit z, 32 of float32 x and dy
 NULL = 0
 
 
@@ -49,6 +50,11 @@ def _names(dtype: str, param_dtype: str) -> dict[tuple, str]:
         for nv in range(1, MAX_BWD_NV + 1):
             names[("bwd", vec, nv)] = f"layer_norm_bwd_rows<{t}, {p}, {vec}, {nv}>"
     names[("params",)] = f"layer_norm_bwd_params<{p}>"
+    if param_dtype == "float32" and dtype != "float32":  # autocast's training: ConvNeXt's block end
+        for x in dict.fromkeys((t, "float")):
+            names[("residual", x)] = f"layer_scale_residual<{x}, {t}, {SCALE_VEC}>"
+        for nv in range(1, MAX_BWD_NV + 1):
+            names[("scale_bwd", nv)] = f"layer_scale_bwd<{t}, {SCALE_VEC}, {nv}>"
     return names
 
 
@@ -126,22 +132,72 @@ class LayerNormBackward:
         fns = _functions(dtype, param_dtype or dtype, device)
         self.blocks = max(1, min(-(-rows // (THREADS // lanes)), BWD_BLOCKS_PER_SM * driver.multiprocessors(device)))
         self.partials_bytes = self.blocks * 2 * channels * 4
-        self.ptrs = [ctypes.c_uint64(0) for _ in range(7)]
+        self.ptrs = [ctypes.c_uint64(0) for _ in range(8)]
         args = [*self.ptrs, ctypes.c_int64(rows), ctypes.c_int32(channels), ctypes.c_int32(lanes.bit_length() - 1)]
         self.rows_kernel = driver.Kernel(fns[("bwd", vec, nv)], grid=self.blocks, block=THREADS, args=args,
                                          ordinal=device)
         self.params = [ctypes.c_uint64(0) for _ in range(3)]
-        self.params_kernel = driver.Kernel(fns[("params",)], grid=-(-2 * channels // THREADS), block=THREADS,
-                                           args=[*self.params, ctypes.c_int32(self.blocks), ctypes.c_int32(channels)],
-                                           ordinal=device)
+        self.params_kernel = _params_kernel(fns[("params",)], self.params, self.blocks, channels, device)
 
     def __call__(self, stream: int, *, dy: int, x: int, mean: int, rstd: int, dx: int, partials: int,
-                 gamma: int = NULL, dgamma: int = NULL, dbeta: int = NULL) -> None:
-        """dx (x's layout) and, where given, dgamma and dbeta (the parameters' dtype); 0 = absent."""
-        for slot, value in zip(self.ptrs, (dy, x, mean, rstd, gamma, dx, partials)):
+                 gamma: int = NULL, dgamma: int = NULL, dbeta: int = NULL, add: int = NULL) -> None:
+        """dx (x's layout) and, where given, dgamma and dbeta (the parameters' dtype); `add`: the forward's;
+        0 = absent."""
+        for slot, value in zip(self.ptrs, (dy, x, add, mean, rstd, gamma, dx, partials)):
             slot.value = value
         self.rows_kernel.launch(stream)
         if dgamma or dbeta:
             for slot, value in zip(self.params, (partials, dgamma, dbeta)):
                 slot.value = value
             self.params_kernel.launch(stream)
+
+
+def _params_kernel(fn: int, slots: list, blocks: int, channels: int, device: int) -> driver.Kernel:
+    return driver.Kernel(fn, grid=-(-2 * channels // THREADS), block=THREADS,
+                         args=[*slots, ctypes.c_int32(blocks), ctypes.c_int32(channels)], ordinal=device)
+
+
+class LayerScaleResidual:
+    """ConvNeXt's block end under autocast, forward and backward, for one geometry: `forward` writes
+    out = x + (z + bias) * gamma * noise[sample] in float32; `backward` writes dz = dy * gamma * noise (the io
+    dtype) and the float32 gradients of gamma and bias. `dtype`: z's (16-bit); `x_dtype`: the block input's
+    (`dtype` or float32). Pointers aligned to SCALE_VEC values of their type (32 bytes for float32); channels a
+    multiple of SCALE_VEC. One thread at a time calls it."""
+
+    def __init__(self, rows: int, channels: int, dtype: str, x_dtype: str, device: int, *, sample_rows: int):
+        if dtype not in ("float16", "bfloat16") or x_dtype not in (dtype, "float32") or channels % SCALE_VEC \
+                or channels > MAX_CHANNELS or rows <= 0 or sample_rows <= 0 or rows % sample_rows:
+            raise ValueError(f"channels: {channels} {dtype} values a row ({x_dtype} input, {rows} rows, "
+                             f"{sample_rows} a sample) is beyond the layer-scale kernels")
+        fns = _functions(dtype, "float32", device)
+        vec, nv, lanes = _checked_layout(rows, channels, dtype, "float32", 16, True)
+        assert vec == SCALE_VEC
+        self.fwd_ptrs = [ctypes.c_uint64(0) for _ in range(6)]
+        vectors = rows * channels // SCALE_VEC
+        grid = max(1, min(-(-vectors // THREADS), BLOCKS_PER_SM * driver.multiprocessors(device)))
+        self.fwd = driver.Kernel(fns[("residual", "float" if x_dtype == "float32" else STORAGE[dtype])],
+                                 grid=grid, block=THREADS, ordinal=device,
+                                 args=[*self.fwd_ptrs, ctypes.c_int64(vectors), ctypes.c_int32(channels),
+                                       ctypes.c_int64(sample_rows * channels)])
+        self.blocks = max(1, min(-(-rows // (THREADS // lanes)), BWD_BLOCKS_PER_SM * driver.multiprocessors(device)))
+        self.partials_bytes = self.blocks * 2 * channels * 4
+        self.bwd_ptrs = [ctypes.c_uint64(0) for _ in range(7)]
+        self.bwd = driver.Kernel(fns[("scale_bwd", nv)], grid=self.blocks, block=THREADS, ordinal=device,
+                                 args=[*self.bwd_ptrs, ctypes.c_int64(rows), ctypes.c_int32(channels),
+                                       ctypes.c_int32(lanes.bit_length() - 1), ctypes.c_int64(sample_rows)])
+        self.params = [ctypes.c_uint64(0) for _ in range(3)]
+        self.params_kernel = _params_kernel(fns[("params",)], self.params, self.blocks, channels, device)
+
+    def forward(self, stream: int, *, x: int, z: int, bias: int, gamma: int, noise: int, out: int) -> None:
+        for slot, value in zip(self.fwd_ptrs, (x, z, bias, gamma, noise, out)):
+            slot.value = value
+        self.fwd.launch(stream)
+
+    def backward(self, stream: int, *, dy: int, z: int, bias: int, gamma: int, noise: int, dz: int, partials: int,
+                 dgamma: int, dbias: int) -> None:
+        for slot, value in zip(self.bwd_ptrs, (dy, z, bias, gamma, noise, dz, partials)):
+            slot.value = value
+        self.bwd.launch(stream)
+        for slot, value in zip(self.params, (partials, dgamma, dbias)):
+            slot.value = value
+        self.params_kernel.launch(stream)

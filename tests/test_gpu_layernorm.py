@@ -14,7 +14,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 import cudnn_graphs.torch as cgt  # noqa: E402
-from cudnn_graphs.torch import _layernorm  # noqa: E402
+from cudnn_graphs.torch import _cnblock_train, _layernorm  # noqa: E402
 from fallback_kernels import layernorm  # noqa: E402
 
 from .gpu_reference import rel_err  # noqa: E402
@@ -276,15 +276,15 @@ def test_a_captured_convnext_block_trains_as_torchs_with_our_layernorm(amp, monk
     model = cgt.convert(nn.Sequential(copy.deepcopy(block)))
     ref = copy.deepcopy(block).double()
     ran = []
-    real = _layernorm.LayerNormFunction.forward
-    monkeypatch.setattr(_layernorm.LayerNormFunction, "forward", staticmethod(lambda *a: ran.append(1) or real(*a)))
+    for cls, tag in ((_layernorm.LayerNormFunction, "ln"), (_cnblock_train.CNBlockFunction, "node")):
+        monkeypatch.setattr(cls, "forward", staticmethod(lambda *a, _r=cls.forward, _t=tag: ran.append(_t) or _r(*a)))
     x = torch.randn(4, 96, 14, 14, device="cuda", dtype=dtype).to(memory_format=CL)
-    dy = torch.randn(4, 96, 14, 14, device="cuda", dtype=torch.float16 if amp else dtype).to(memory_format=CL)
+    dy = torch.randn(4, 96, 14, 14, device="cuda", dtype=torch.float32 if amp else dtype).to(memory_format=CL)
     with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-        model(x.detach().clone().requires_grad_())  # an eager step: torch's LayerNorm (host time)
-        assert ran == []
+        model(x.detach().clone().requires_grad_())  # eager: AMP's whole-block node, else torch's LayerNorm
+        assert ran == (["node"] if amp else [])
         captured = cgt.capture(model, x.detach().clone().requires_grad_())
-    assert ran  # the capture ran ours
+    assert set(ran) == ({"node"} if amp else {"ln"})  # the capture ran ours
     results = []
     for step in (captured, block):
         xi = x.detach().clone().requires_grad_()

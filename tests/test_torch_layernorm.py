@@ -190,3 +190,24 @@ def test_the_backward_takes_rows_of_up_to_three_vectors_a_thread():
     assert layernorm.layout(96, "float32", align=16, backward=True) == (4, 3, 8)
     for c, lanes in ((64, 4), (128, 8), (256, 16), (512, 32)):  # powers of two: more threads, not 4 vectors
         assert layernorm.layout(c, "float16", align=16, backward=True) == (8, 2, lanes)
+
+
+def test_the_training_node_takes_torchvisions_stochastic_depth_or_identity_and_lays_out_aligned_buffers():
+    from cudnn_graphs.torch import _cnblock_train as T
+
+    class StochasticDepth(nn.Module):  # torchvision's, by name and module
+        def __init__(self, p, mode):
+            super().__init__()
+            self.p, self.mode = p, mode
+
+    StochasticDepth.__module__ = "torchvision.ops.stochastic_depth"
+    assert T._depth_mode(nn.Identity()) == "none"
+    assert T._depth_mode(StochasticDepth(0.1, "row")) == "row"
+    assert T._depth_mode(StochasticDepth(0.0, "batch")) == "batch"
+    assert T._depth_mode(StochasticDepth(0.1, "column")) is None
+    assert T._depth_mode(StochasticDepth(1.5, "row")) is None  # torch's forward raises its own error
+    assert T._depth_mode(nn.Dropout(0.1)) is None
+    offsets, total = T._offsets((10, 0, 300, 1))
+    assert offsets == (0, 256, 256, 768) and total == 1024
+    x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last)
+    assert T.cnblock_training(CNBlock(8), x) is None  # CPU: the block's own forward

@@ -91,8 +91,8 @@ class ConversionReport:
         if self.layer_norms:
             lines.append(f"{len(self.layer_norms)} LayerNorm on this library's kernel where no gradient is wanted")
         if self.convnext_blocks:
-            lines.append(f"{len(self.convnext_blocks)} ConvNeXt blocks in fewer passes where no gradient is wanted "
-                         f"(their LayerNorm on this library's autograd node in captured training)")
+            lines.append(f"{len(self.convnext_blocks)} ConvNeXt blocks in fewer passes where no gradient is wanted, "
+                         f"one autograd node each in float16 AMP training")
         lines += [f"ConvNeXt block {where} runs its own forward: {why}" for where, why in self.unfused_convnext]
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)

@@ -12,7 +12,9 @@
   with the layer scale folded into its weight and bias (made again when any of them changes) and the
   block's input read in its epilogue. torch adds the bias, normalises, scales and adds in four passes over
   the map, ours in one, and launches half the kernels.
-- `CNBlock` where a gradient is wanted (training) and a CUDA graph is being captured (`capture`,
+- `CNBlock` where a gradient is wanted under float16 autocast: one autograd node for the whole block
+  (`_cnblock_train`).
+- `CNBlock` where a gradient is wanted outside autocast and a CUDA graph is being captured (`capture`,
   `make_graphed_callables`): torch's forward with the LayerNorm on our autograd node
   (`LayerNormFunction`: forward and backward kernels, the parameters' gradients summed in a fixed order),
   its output in the conv's dtype under autocast (torch's LayerNorm writes float32, which fc1 casts back:
@@ -36,6 +38,7 @@ from fallback_kernels.types import ITEMSIZE
 from ..errors import SpecError
 
 from ._chain import _up, hooked
+from ._cnblock_train import cnblock_training
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_LAUNCHES = 256  # geometries kept (a model has a few; a loop over many shapes starts the memo again)
@@ -249,9 +252,12 @@ def _plain_layer_norm(module: nn.Module) -> bool:
 
 
 def convnext_block_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """CNBlock.forward in fewer passes where no gradient is wanted; else, while a CUDA graph is captured, torch's
-    forward with its LayerNorm on our autograd node; else its own (see the module's docstring)."""
+    """CNBlock.forward in fewer passes where no gradient is wanted; else, under float16 autocast, one autograd
+    node; else, while a CUDA graph is captured, torch's forward with its LayerNorm on our autograd node; else
+    its own (see the module's docstring)."""
     out = _convnext_block(self, x)
+    if out is None:
+        out = cnblock_training(self, x)
     if out is None:
         out = _convnext_block_training(self, x)
     return type(self).forward(self, x) if out is None else out

@@ -1,0 +1,158 @@
+"""torchvision's CNBlock in AMP training as one autograd node (`_cnblock_train`): its output and every
+gradient against float64 next to torch's own AMP block, with stochastic depth drawing the same noise as
+torch's, float16 and float32 inputs, odd maps; backward twice and run to run; the calls it declines; and
+convnext_tiny's AMP training steps against torch's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+torchvision = pytest.importorskip("torchvision")
+nn = torch.nn
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+from cudnn_graphs.torch import _cnblock_train  # noqa: E402
+from torchvision.models.convnext import CNBlock  # noqa: E402
+
+from .gpu_reference import rel_err  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CL = torch.channels_last
+
+
+class _Noise(nn.Module):
+    """Stochastic depth with a given noise: the float64 reference's, drawn as torch's block draws it."""
+
+    def __init__(self, noise):
+        super().__init__()
+        self.noise = noise
+
+    def forward(self, x):
+        return x * self.noise.to(x.dtype)
+
+
+def _block(dim, p, mode, seed=0):
+    torch.manual_seed(seed)
+    block = CNBlock(dim, layer_scale=0.5, stochastic_depth_prob=p)
+    block.stochastic_depth.mode = mode
+    for q in block.parameters():
+        q.data.add_(torch.randn_like(q) * 0.2)
+    return block.cuda().to(memory_format=CL).train()
+
+
+def _draw(n, p, mode, seed):
+    """The noise torchvision's block draws after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    if p == 0.0:
+        return None
+    noise = torch.empty([n if mode == "row" else 1, 1, 1, 1], device="cuda").bernoulli_(1 - p)
+    return noise.div_(1 - p) if p < 1 else noise
+
+
+def _step(model, x, dy, seed):
+    torch.manual_seed(seed)
+    xi = x.detach().clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(xi)
+    grads = torch.autograd.grad(out, (xi, *model.parameters()), dy)
+    return out, grads
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dim,h,w,p,mode", [(96, 14, 14, 0.0, "row"), (96, 14, 14, 0.5, "row"),
+                                            (40, 9, 11, 0.3, "batch"), (192, 7, 7, 0.5, "row"),
+                                            (8, 5, 3, 0.0, "row")])
+def test_the_node_matches_float64_as_closely_as_torchs_amp_block(x_dtype, dim, h, w, p, mode):
+    block = _block(dim, p, mode)
+    ours = cgt.convert(nn.Sequential(copy.deepcopy(block)))
+    torch.manual_seed(1)
+    n = 4
+    x = torch.randn(n, dim, h, w, device="cuda").to(x_dtype).to(memory_format=CL)
+    dy = torch.randn(n, dim, h, w, device="cuda").to(memory_format=CL)
+    got, got_g = _step(ours, x, dy, seed=7)
+    assert type(got.grad_fn).__name__ == "CNBlockFunctionBackward"
+    theirs, theirs_g = _step(block, x, dy, seed=7)
+    assert got.dtype == theirs.dtype == torch.float32 and got.is_contiguous(memory_format=CL)
+    ref = copy.deepcopy(block).double()
+    noise = _draw(n, p, mode, seed=7)
+    ref.stochastic_depth = nn.Identity() if noise is None else _Noise(noise)
+    xd = x.detach().double().requires_grad_()
+    out = ref(xd)
+    want = (out, torch.autograd.grad(out, (xd, *ref.parameters()), dy.double()))
+    assert rel_err(got, want[0]) < 2 * rel_err(theirs, want[0]) + 1e-4
+    names = ["x"] + [name for name, _ in ref.named_parameters()]
+    for name, g, t, wd in zip(names, got_g, theirs_g, want[1]):
+        assert g.shape == wd.shape and g.dtype == (x_dtype if name == "x" else torch.float32), name
+        assert rel_err(g, wd) < 2 * rel_err(t, wd) + 2e-3, name
+
+
+def test_backward_twice_and_run_to_run_are_bit_identical():
+    block = _block(96, 0.0, "row")
+    model = cgt.convert(nn.Sequential(block))
+    x = torch.randn(2, 96, 14, 14, device="cuda", dtype=torch.float16).to(memory_format=CL).requires_grad_()
+    dy = torch.randn(2, 96, 14, 14, device="cuda").to(memory_format=CL)
+    params = list(model.parameters())
+    runs = []
+    for _ in range(2):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = model(x)
+        first = torch.autograd.grad(out, params, dy, retain_graph=True)
+        second = torch.autograd.grad(out, params, dy)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+        runs.append(first)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))  # the parameters' sums: a fixed order
+
+
+def test_calls_it_does_not_take_run_torchs_block():
+    block = _block(64, 0.2, "row")
+    model = cgt.convert(nn.Sequential(copy.deepcopy(block)))
+    x = torch.randn(2, 64, 8, 8, device="cuda").to(memory_format=CL).requires_grad_()
+
+    def node(**autocast):
+        with torch.autocast("cuda", **autocast):
+            return type(model(x).grad_fn).__name__ == "CNBlockFunctionBackward"
+
+    assert node(dtype=torch.float16)
+    assert not node(dtype=torch.bfloat16)  # bf16: torch's block
+    assert not node(enabled=False)
+    xc = x.detach().contiguous().requires_grad_()  # NCHW in memory
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert type(model(xc).grad_fn).__name__ != "CNBlockFunctionBackward"
+        with torch.no_grad():  # no gradient: the eval path's launches or torch's, never the node
+            assert model(x).grad_fn is None
+    handle = model[0].block[2].register_forward_hook(lambda *a: None)
+    assert not node(dtype=torch.float16)  # a hook on a module inside: the modules compute
+    handle.remove()
+    assert node(dtype=torch.float16)
+
+
+def test_convnext_tiny_amp_training_tracks_torch():
+    torch.manual_seed(0)
+    base = torchvision.models.convnext_tiny(num_classes=10).cuda().to(memory_format=CL)
+    model = cgt.convert(copy.deepcopy(base))
+    x = torch.randn(8, 3, 64, 64, device="cuda").to(memory_format=CL)
+    target = torch.randint(0, 10, (8,), device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):  # stage 1's first block (no stochastic depth: no draw)
+        assert type(model.features[1][0](model.features[0](x)).grad_fn).__name__ == "CNBlockFunctionBackward"
+    losses = []
+    for m in (model, base):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler()
+        torch.manual_seed(3)  # stochastic depth's draws: the same sequence on both sides
+        run = []
+        for _ in range(6):
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = m(x)
+                loss = nn.functional.cross_entropy(out.float(), target)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            run.append(loss.item())
+        losses.append(run)
+    ours, theirs = losses
+    assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(ours, theirs)), (ours, theirs)
+    assert ours[-1] < ours[0]
