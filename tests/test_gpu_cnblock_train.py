@@ -156,3 +156,44 @@ def test_convnext_tiny_amp_training_tracks_torch():
     ours, theirs = losses
     assert all(abs(a - b) <= 0.02 * abs(b) + 1e-3 for a, b in zip(ours, theirs)), (ours, theirs)
     assert ours[-1] < ours[0]
+
+
+def test_frozen_parameters_and_an_input_without_a_gradient():
+    block = _block(96, 0.0, "row")
+    for q in (block.layer_scale, block.block[0].weight, block.block[3].bias):
+        q.requires_grad_(False)
+    ours = cgt.convert(nn.Sequential(copy.deepcopy(block)))
+    x = torch.randn(2, 96, 10, 10, device="cuda", dtype=torch.float16).to(memory_format=CL)
+    dy = torch.randn(2, 96, 10, 10, device="cuda").to(memory_format=CL)
+    grads, nodes = [], []
+    for m in (ours, block):
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = m(x)  # x wants no gradient: the parameters' still flow
+        nodes.append(type(out.grad_fn).__name__)
+        out.backward(dy)
+        grads.append([(n, p.grad) for n, p in m.named_parameters()])
+    assert nodes[0] == "CNBlockFunctionBackward" != nodes[1]
+    for (name, got), (_, theirs) in zip(*grads):
+        if theirs is None:
+            assert got is None, name
+        else:
+            assert rel_err(got, theirs) < 1e-2, name
+
+
+def test_checkpointed_blocks_recompute_the_same_noise_and_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    block = _block(64, 0.5, "row")
+    model = cgt.convert(nn.Sequential(block))
+    x = torch.randn(8, 64, 8, 8, device="cuda").to(memory_format=CL)
+    dy = torch.randn(8, 64, 8, 8, device="cuda").to(memory_format=CL)
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(11)
+        xi = x.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.float16):
+            out = checkpoint(model, xi, use_reentrant=False) if ckpt else model(xi)
+        grads = torch.autograd.grad(out, (xi, *model.parameters()), dy)
+        runs.append((out, grads))
+    (a, ga), (b, gb) = runs
+    assert torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(ga, gb))
