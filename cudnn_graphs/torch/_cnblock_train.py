@@ -4,7 +4,8 @@ torch runs a block's forward as ~20 dispatches (autocast's casts of the conv and
 biases, the conv, LayerNorm in float32, fc1, GELU, fc2, the layer scale, stochastic depth, the residual add)
 and its backward as ~15 autograd nodes: on a host-bound AMP step that host time is the step's time
 (convnext_tiny: ~1.3 ms a block on an H100 host). This node does the same arithmetic in ~9 launches forward
-and ~14 backward, from Python:
+and ~14 backward, from Python, those after the conv replayed as one re-pointed CUDA graph each direction
+(`gpu_launch.replay.Replay`) from a stream's second call:
 
 forward   cast (conv weight, fc1 weight and bias, fc2 weight: one launch) -> depthwise conv (torch's, no bias)
           -> LayerNorm adding the conv's bias (ours, float16 out, row mean and 1/std kept) -> fc1 with its bias
@@ -23,15 +24,16 @@ the weight gradients in float32 straight from the GEMMs (torch rounds them to fl
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from fallback_kernels.types import ITEMSIZE
+from gpu_launch.replay import Replay
 
 from ..errors import SpecError
-from ._chain import _up, hooked
+from ._chain import _replayed, _up, hooked
 
 _MAX_GEOMETRIES = 64
 _geometries: dict[tuple, "_BlockTrain | None"] = {}
@@ -140,7 +142,10 @@ class _BlockTrain:
         from fallback_kernels.layernorm import LayerNormBackward, LayerNormRows, LayerScaleResidual
 
         rows = n * hw
-        self.rows, self.c, self.hidden = rows, c, hidden
+        self.rows, self.c, self.hidden, self.device = rows, c, hidden, device
+        self.geometry = (n, c, hw, hidden, x_dtype)
+        self._forward: dict[tuple, Replay] = {}
+        self._backward: dict[bool, Replay] = {}
         self.ln = LayerNormRows(rows, c, _F16, device, align=16, param_dtype="float32")
         self.ln_bwd = LayerNormBackward(rows, c, _F16, device, align=16, param_dtype="float32")
         self.scale = LayerScaleResidual(rows, c, _F16, x_dtype, device, sample_rows=hw if mode == "row" else rows)
@@ -169,6 +174,49 @@ class _BlockTrain:
         self.scratch = _offsets(sizes)
 
 
+    def forward_tail(self, ptrs: tuple, stream: int, eps: float) -> None:
+        """After the conv: LayerNorm, fc1, the activation, fc2, the block end; replayed as one graph from its
+        second call on a stream (`Replay`, one per eps and noise given or not: values, not pointers)."""
+        key = (eps, ptrs[-1] != 0)
+        replay = self._forward.get(key)
+        if replay is None:
+            run = functools.partial(self._forward_run, eps=eps)
+            replay = self._forward[key] = Replay(run, ordinal=self.device, label=f"CNBlock {self.geometry} forward")
+        _replayed(replay, replay.run, ptrs if key[1] else ptrs[:-1], stream)
+
+    def _forward_run(self, ptrs: tuple, stream: int, *, eps: float) -> None:
+        y1, saved, ws, x, out, b_dw, ln_w, ln_b, b2, gamma, *noise = ptrs
+        t, h, a, z, stats, w1h, w2h, b1h = (saved + o for o in self.saved[0])
+        self.ln(stream, x=y1, y=t, eps=eps, add=b_dw, gamma=ln_w, beta=ln_b, mean=stats, rstd=stats + self.rows * 4)
+        self.fc1.run(a=t, b=w1h, d=h, bias=b1h, stream=stream, workspace=ws)
+        self.act(stream, x=h, y=a)
+        self.fc2.run(a=a, b=w2h, d=z, stream=stream, workspace=ws)
+        self.scale.forward(stream, x=x, z=z, bias=b2, gamma=gamma, noise=noise[0] if noise else 0, out=out)
+
+    def backward_tail(self, ptrs: tuple, stream: int) -> None:
+        """Before the conv's backward: every launch of ours, replayed as one graph as `forward_tail`."""
+        key = ptrs[-1] != 0
+        replay = self._backward.get(key)
+        if replay is None:
+            replay = self._backward[key] = Replay(self._backward_run, ordinal=self.device,
+                                                  label=f"CNBlock {self.geometry} backward")
+        _replayed(replay, replay.run, ptrs if key else ptrs[:-1], stream)
+
+    def _backward_run(self, ptrs: tuple, stream: int) -> None:
+        dy, saved, scratch, y1, dy1, b_dw, ln_w, b2, gamma, dgamma, db2, dw2, db1, dw1, dln_w, dln_b, *noise = ptrs
+        t, h, a, z, stats, w1h, w2h, _ = (saved + o for o in self.saved[0])
+        dz, da, dh, p_scale, p_act, p_ln, ws = (scratch + o for o in self.scratch[0])
+        self.scale.backward(stream, dy=dy, z=z, bias=b2, gamma=gamma, noise=noise[0] if noise else 0, dz=dz,
+                            partials=p_scale, dgamma=dgamma, dbias=db2)
+        self.fc2_dgrad.run(a=dz, b=w2h, d=da, stream=stream, workspace=ws)
+        self.fc2_wgrad.run(a=dz, b=a, d=dw2, stream=stream, workspace=ws)
+        self.act_bwd(stream, dy=da, pre=h, g=dh, partials=p_act, dbias=db1)
+        self.fc1_wgrad.run(a=dh, b=t, d=dw1, stream=stream, workspace=ws)
+        self.fc1_dgrad.run(a=dh, b=w1h, d=dz, stream=stream, workspace=ws)  # dt, where dz was
+        self.ln_bwd(stream, dy=dz, x=y1, add=b_dw, mean=stats, rstd=stats + self.rows * 4, dx=dy1, partials=p_ln,
+                    gamma=ln_w, dgamma=dln_w, dbeta=dln_b)
+
+
 def _offsets(sizes: tuple) -> tuple[tuple[int, ...], int]:
     """Each part's offset (256-byte aligned: cuBLASLt's plans are made for that class) and the total."""
     offsets, total = [], 0
@@ -193,7 +241,7 @@ class CNBlockFunction(torch.autograd.Function):
         offsets, total = L.saved
         saved = torch.empty(total, dtype=torch.uint8, device=dev)
         base = saved.data_ptr()
-        t, h, a, z, stats, w1h, w2h, b1h = (base + o for o in offsets)
+        _, _, _, _, _, w1h, w2h, b1h = (base + o for o in offsets)
         w_dw16 = torch.empty_like(w_dw, dtype=torch.float16)
         x16 = x if x.dtype is torch.float16 else x.to(torch.float16)
         out = torch.empty_like(x, dtype=torch.float32)
@@ -206,13 +254,8 @@ class CNBlockFunction(torch.autograd.Function):
         if not y1.is_contiguous(memory_format=torch.channels_last):  # rows of C, as the LayerNorm reads them
             y1 = y1.contiguous(memory_format=torch.channels_last)
         with _lock:
-            L.ln(stream, x=y1.data_ptr(), y=t, eps=eps, add=b_dw.data_ptr(), gamma=ln_w.data_ptr(),
-                 beta=ln_b.data_ptr(), mean=stats, rstd=stats + L.rows * 4)
-            L.fc1.run(a=t, b=w1h, d=h, bias=b1h, stream=stream, workspace=ws)
-            L.act(stream, x=h, y=a)
-            L.fc2.run(a=a, b=w2h, d=z, stream=stream, workspace=ws)
-            L.scale.forward(stream, x=x.data_ptr(), z=z, bias=b2.data_ptr(), gamma=gamma.data_ptr(),
-                            noise=_ptr(noise), out=out.data_ptr())
+            L.forward_tail((y1.data_ptr(), base, ws, x.data_ptr(), out.data_ptr(), b_dw.data_ptr(), ln_w.data_ptr(),
+                            ln_b.data_ptr(), b2.data_ptr(), gamma.data_ptr(), _ptr(noise)), stream, eps)
         del workspace
         ctx.save_for_backward(x16, w_dw16, y1, b_dw, ln_w, b2, gamma)
         ctx.keep = (L, saved, noise, padding, x.dtype)
@@ -229,30 +272,18 @@ class CNBlockFunction(torch.autograd.Function):
                 or dy.data_ptr() % 32:  # the kernels read rows of float32 in 32-byte vectors
             dy = dy.to(torch.float32, memory_format=torch.channels_last, copy=True)
         stream = torch._C._cuda_getCurrentRawStream(dy.get_device())
-        base = saved.data_ptr()
-        t, h, a, z, stats, w1h, w2h, _ = (base + o for o in L.saved[0])
-        offsets, total = L.scratch
-        scratch = torch.empty(total, dtype=torch.uint8, device=dev)
-        s = scratch.data_ptr()
-        dz, da, dh, p_scale, p_act, p_ln, ws = (s + o for o in offsets)
+        scratch = torch.empty(L.scratch[1], dtype=torch.uint8, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
         dgamma, db2 = torch.empty(gamma.shape, **f32), torch.empty(b2.shape, **f32)
         dw1, db1 = torch.empty(L.hidden, L.c, **f32), torch.empty(L.hidden, **f32)
         dw2 = torch.empty(L.c, L.hidden, **f32)
         dln_w, dln_b = torch.empty(L.c, **f32), torch.empty(L.c, **f32)
         dy1 = torch.empty_like(y1)
+        ptrs = (dy.data_ptr(), saved.data_ptr(), scratch.data_ptr(), y1.data_ptr(), dy1.data_ptr(), b_dw.data_ptr(),
+                ln_w.data_ptr(), b2.data_ptr(), gamma.data_ptr(), dgamma.data_ptr(), db2.data_ptr(), dw2.data_ptr(),
+                db1.data_ptr(), dw1.data_ptr(), dln_w.data_ptr(), dln_b.data_ptr(), _ptr(noise))
         with _lock:
-            L.scale.backward(stream, dy=dy.data_ptr(), z=z, bias=b2.data_ptr(), gamma=gamma.data_ptr(),
-                             noise=_ptr(noise), dz=dz, partials=p_scale, dgamma=dgamma.data_ptr(),
-                             dbias=db2.data_ptr())
-            L.fc2_dgrad.run(a=dz, b=w2h, d=da, stream=stream, workspace=ws)
-            L.fc2_wgrad.run(a=dz, b=a, d=dw2.data_ptr(), stream=stream, workspace=ws)
-            L.act_bwd(stream, dy=da, pre=h, g=dh, partials=p_act, dbias=db1.data_ptr())
-            L.fc1_wgrad.run(a=dh, b=t, d=dw1.data_ptr(), stream=stream, workspace=ws)
-            L.fc1_dgrad.run(a=dh, b=w1h, d=dz, stream=stream, workspace=ws)  # dt, where dz was
-            L.ln_bwd(stream, dy=dz, x=y1.data_ptr(), add=b_dw.data_ptr(), mean=stats, rstd=stats + L.rows * 4,
-                     dx=dy1.data_ptr(), partials=p_ln, gamma=ln_w.data_ptr(), dgamma=dln_w.data_ptr(),
-                     dbeta=dln_b.data_ptr())
+            L.backward_tail(ptrs, stream)
         c = L.c
         dx_b, dw_dw, db_dw = torch.ops.aten.convolution_backward(
             dy1, x16, w_dw16, [c], [1, 1], list(padding), [1, 1], False, [0, 0], c, [need[0], need[1], need[2]])
