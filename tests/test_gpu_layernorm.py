@@ -358,3 +358,16 @@ def test_a_block_with_a_transposed_weight_takes_torchs_path():
     with torch.no_grad():
         assert _layernorm._convnext_block(model[0], x) is None
         assert rel_err(model(x), block(x)) < 4e-3
+
+
+def test_the_eval_blocks_replayed_launches_follow_fresh_pointers():
+    block = _block(96, torch.float16)
+    model = cgt.convert(nn.Sequential(copy.deepcopy(block)).eval(), inference=True)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        keep = torch.empty(seed * 4096 + 1, device="cuda")  # noqa: F841 - shifts the allocator's next addresses
+        x = torch.randn(2, 96, 14, 14, device="cuda", dtype=torch.float16).to(memory_format=CL)
+        with torch.no_grad():
+            assert rel_err(model(x), block(x)) < 4e-3
+    launches = [v for v in _layernorm._blocks.values() if v is not None and v.geometry == (392, 96, 384, "float16")]
+    assert launches and sum(r.replays for r in launches[0].replays.values()) >= 2

@@ -257,15 +257,21 @@ class CNBlockFunction(torch.autograd.Function):
             L.forward_tail((y1.data_ptr(), base, ws, x.data_ptr(), out.data_ptr(), b_dw.data_ptr(), ln_w.data_ptr(),
                             ln_b.data_ptr(), b2.data_ptr(), gamma.data_ptr(), _ptr(noise)), stream, eps)
         del workspace
-        ctx.save_for_backward(x16, w_dw16, y1, b_dw, ln_w, b2, gamma)
-        ctx.keep = (L, saved, noise, padding, x.dtype)
+        # the buffer and noise as saved tensors too: freed with the graph's after backward, seen by saved-tensor
+        # hooks (offloading, checkpointing), as torch's own saved activations are
+        ctx.save_for_backward(x16, w_dw16, y1, b_dw, ln_w, b2, gamma, saved, noise)
+        ctx.keep = (L, padding, x.dtype)
         return out
 
     @staticmethod
     @once_differentiable  # raw launches: a second-order gradient through them would be silently wrong
     def backward(ctx, dy):
-        L, saved, noise, padding, x_dtype = ctx.keep
-        x16, w_dw16, y1, b_dw, ln_w, b2, gamma = ctx.saved_tensors
+        L, padding, x_dtype = ctx.keep
+        x16, w_dw16, y1, b_dw, ln_w, b2, gamma, saved, noise = ctx.saved_tensors
+        if saved.data_ptr() % 256:  # a saved-tensor hook gave it back elsewhere: the GEMM plans want 256 bytes
+            saved = saved.clone()
+        if y1.data_ptr() % 16 or not y1.is_contiguous(memory_format=torch.channels_last):
+            y1 = y1.clone(memory_format=torch.channels_last)
         need = ctx.needs_input_grad
         dev = dy.device
         if dy.dtype is not torch.float32 or not dy.is_contiguous(memory_format=torch.channels_last) \
