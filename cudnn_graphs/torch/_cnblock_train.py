@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 from gpu_launch.replay import Replay
 
 from ..errors import SpecError
-from ._chain import _replayed, _up, hooked
+from ._chain import _ptr_or_0 as _ptr, _replayed, _up, hooked
 
 _MAX_GEOMETRIES = 64
 _geometries: dict[tuple, "_BlockTrain | None"] = {}
@@ -173,7 +173,6 @@ class _BlockTrain:
                  self.act_bwd.partials_bytes, self.ln_bwd.partials_bytes, self.workspace)
         self.scratch = _offsets(sizes)
 
-
     def forward_tail(self, ptrs: tuple, stream: int, eps: float) -> None:
         """After the conv: LayerNorm, fc1, the activation, fc2, the block end; replayed as one graph from its
         second call on a stream (`Replay`, one per eps and noise given or not: values, not pointers)."""
@@ -224,10 +223,6 @@ def _offsets(sizes: tuple) -> tuple[tuple[int, ...], int]:
         offsets.append(total)
         total += _up(size)
     return tuple(offsets), max(total, 1)
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 class CNBlockFunction(torch.autograd.Function):

@@ -36,7 +36,7 @@ from fallback_kernels.types import ITEMSIZE
 from gpu_launch.replay import Replay
 
 from ..errors import SpecError
-from ._chain import _replayed, _up, hooked
+from ._chain import _ptr_or_0 as _ptr, _replayed, _up, hooked
 from ._cnblock_train import cnblock_training
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -171,9 +171,6 @@ def layer_norm_autograd(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
         return None
     return LayerNormFunction.apply(x, weight, bias, eps, launches)
 
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 # -- modules: nn.LayerNorm, torchvision's LayerNorm2d -------------------------------------------------------
@@ -350,11 +347,11 @@ class _BlockLaunches:
         ptrs = (y.data_ptr(), x.data_ptr(), out.data_ptr(), scratch.data_ptr(), *(_ptr(t) for t in p),
                 scaled[0].data_ptr(), _ptr(scaled[1]))
         stream = torch._C._cuda_getCurrentRawStream(x.get_device())
-        replay = self.replays.get(eps)
-        if replay is None:  # eps is a value in the LayerNorm's arguments, not a pointer: a graph per eps
-            replay = self.replays[eps] = Replay(functools.partial(self._run, eps=eps), ordinal=self.device,
-                                                label=f"CNBlock {self.geometry}")
         with _lock:
+            replay = self.replays.get(eps)
+            if replay is None:  # eps is a value in the LayerNorm's arguments, not a pointer: a graph per eps
+                replay = self.replays[eps] = Replay(functools.partial(self._run, eps=eps), ordinal=self.device,
+                                                    label=f"CNBlock {self.geometry}")
             _replayed(replay, replay.run, ptrs, stream)
         return out
 
