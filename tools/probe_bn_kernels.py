@@ -77,7 +77,7 @@ def _launches(bn, b: dict, stream: int) -> dict:
         "backward": (lambda: bn.backward(stream, out=0, **common), 5 * n, ("out",)),
         "backward_stored_dz": (lambda: bn.backward(stream, out=p["a"], dz=p["dz"], **common), 8 * n, ("out", "dz")),
         "backward_bits_dz": (lambda: bn.backward(stream, out=0, bits=p["bits"], dz=p["dz"], **common),
-                             7 * n + 2 * n // 16, ("out", "dz")),
+                             6 * n + 2 * n // 16, ("out", "dz")),  # da, y twice; dy, dz; the bits twice
         "finalize": (lambda: bn.finalize(stream, sum=p["gamma"], sq_sum=p["invstd"], gamma=p["gamma"], beta=p["mean"],
                                          running_mean=p["rm"], running_var=p["rv"], num_batches=p["nbt"],
                                          scale=p["f_scale"], shift=p["f_shift"], mean=p["f_mean"], invstd=p["f_invstd"],
