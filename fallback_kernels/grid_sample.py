@@ -124,14 +124,16 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # fwd_plane_threads / fwd_plane_points reach the kernel as GS_PLANE_THREADS / GS_PLANE_POINTS.
 # fwd_cf*: channels-first forwards of at least fwd_cf_min_points points in fwd_cf_modes take gs_forward_cf (one
 # thread per point over every channel, ATen's loop order, 32-bit offsets) instead of gs_forward's lanes;
-# fwd_cf_unroll reaches it as GS_CF_UNROLL (channels an iteration issues where a warp's points are close).
+# fwd_cf_unroll reaches it as GS_CF_UNROLL (channels an iteration issues where a warp's points are close);
+# fwd_cf_blocks_per_sm > 0 caps its grid at that many blocks an SM (grid-stride: fewer warps share an L1).
 TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
           "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": (),
           "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5),
           "fwd_plane": True, "fwd_plane_bytes": 48 * 1024, "fwd_plane_fill": 4, "fwd_plane_min_points": 0.25,
           "fwd_plane_min_values": 1 << 23, "fwd_plane_modes": ("bilinear",), "fwd_plane_threads": 256,
           "fwd_plane_points": 4, "fwd_cf": True, "fwd_cf_min_points": 1 << 15,
-          "fwd_cf_modes": ("bilinear", "nearest"), "fwd_cf_unroll": 4}
+          "fwd_cf_modes": ("bilinear", "nearest"), "fwd_cf_unroll": 4, "fwd_cf_blocks_per_sm": 0,
+          "fwd_cf_split": 1}
 # Set to a list to record (op, start event, end event) for every op of every call (tools/bench_grid_sample.py).
 PROFILE: list | None = None
 
@@ -406,10 +408,18 @@ class _Plan(NamedTuple):
     ops: tuple  # ("zero", ref, nbytes) | ("launch", function, grid, block, args, name, shared bytes) | ("sort", ref, n)
 
 
+def variant_of(name: str) -> tuple[int, int] | None:
+    """(nd, mode) of a kernel instantiation whose last two template arguments are those; None for the ones
+    every variant shares (layout copies, scans, absmax)."""
+    args = name[name.index("<") + 1:-1].split(", ") if "<" in name else []
+    return (int(args[-2]), int(args[-1])) if len(args) >= 3 and args[-1].isdigit() and args[-2].isdigit() else None
+
+
 @functools.lru_cache(maxsize=None)
-def _functions(device: int, program: str, dtype: str, options: tuple[str, ...]) -> dict:
-    """The kernels of one program for one (device, dtype), compiled on first use (CuPy keeps the binary on disk)."""
-    names = tuple(programs(dtype)[program])
+def _functions(device: int, program: str, dtype: str, options: tuple[str, ...], variant: tuple | None) -> dict:
+    """The kernels of one program for one (device, dtype, (nd, mode) variant or the shared ones), compiled on
+    first use (CuPy keeps the binary on disk): a call compiles the variant it runs, a fifth of the program."""
+    names = tuple(n for n in programs(dtype)[program] if variant_of(n) == variant)
     module = _compile.load_module(program, names, device, options)
     return {name: module.get_function(name) for name in names}
 
@@ -430,7 +440,7 @@ class _Builder:
             self.ops.append(("zero", ref, int(nbytes)))
 
     def launch(self, name: str, grid, block, args, shared: int = 0) -> None:
-        fn = _functions(self.device, program_of(name), self.dtype, _options())[name]
+        fn = _functions(self.device, program_of(name), self.dtype, _options(), variant_of(name))[name]
         _allow_shared(fn, self.device, shared)
         self.ops.append(("launch", fn, tuple(grid), tuple(block), tuple(args), name, int(shared)))
 
@@ -472,7 +482,8 @@ class _Builder:
 def _options() -> tuple[str, ...]:
     """NVRTC options of every program: the forward's plane knobs as macros, then TUNING's own."""
     plane = (f"-DGS_PLANE_THREADS={int(TUNING['fwd_plane_threads'])}",
-             f"-DGS_PLANE_POINTS={int(TUNING['fwd_plane_points'])}", f"-DGS_CF_UNROLL={int(TUNING['fwd_cf_unroll'])}")
+             f"-DGS_PLANE_POINTS={int(TUNING['fwd_plane_points'])}", f"-DGS_CF_UNROLL={int(TUNING['fwd_cf_unroll'])}",
+             f"-DGS_CF_SPLIT={int(TUNING['fwd_cf_split'])}")
     return OPTIONS + plane + tuple(TUNING.get("options", ()))
 
 
@@ -667,7 +678,11 @@ def _forward_plan(device: int, inp_key: tuple, grid_key: tuple, mode: str, paddi
                      (io[0], coords, io[2], g, np.int32(ps.cpb), np.int32(ps.splits), scattered), shared=ps.shared)
         if not channels_last and ps is None and _point_kernel(geo, in_strides):
             g = _geo_struct(geo, **strides, flags=flags)
-            b.launch(f"gs_forward_cf{variant}", (_blocks(geo.N * geo.points),), (BLOCK,), io + (g, scattered))
+            blocks = _blocks(geo.N * geo.points * int(TUNING["fwd_cf_split"]))
+            per_sm = int(TUNING["fwd_cf_blocks_per_sm"])
+            if per_sm > 0:
+                blocks = min(blocks, per_sm * _device_limits(device)[1])
+            b.launch(f"gs_forward_cf{variant}", (blocks,), (BLOCK,), io + (g, scattered))
         else:
             lanes_log2 = _forward_lanes_log2(geo, channels_last=channels_last)
             g = _geo_struct(geo, **strides, lanes_log2=lanes_log2, flags=flags)
@@ -718,8 +733,9 @@ def _point_kernel(geo: Geometry, in_strides) -> bool:
     if not TUNING["fwd_cf"] or MODES[geo.mode] not in TUNING["fwd_cf_modes"]:
         return False
     spatial = [(size - 1) * stride for size, stride in zip(_in_shape(geo)[2:], in_strides[2:])]
-    return (int(TUNING["fwd_cf_min_points"]) <= geo.N * geo.points <= INT_MAX and sum(spatial) <= INT_MAX
-            and in_strides[1] <= INT_MAX)
+    points = geo.N * geo.points
+    return (int(TUNING["fwd_cf_min_points"]) <= points and points * int(TUNING["fwd_cf_split"]) <= INT_MAX
+            and sum(spatial) <= INT_MAX and in_strides[1] <= INT_MAX)
 
 
 def _forward_lanes_log2(geo: Geometry, *, channels_last: bool) -> int:

@@ -293,6 +293,11 @@ __global__ void __launch_bounds__(GS_PLANE_THREADS, 1) gs_forward_plane(const T*
 #ifndef GS_CF_SPREAD
 #define GS_CF_SPREAD 1024
 #endif
+// GS_CF_SPLIT threads share a point's channels, a contiguous range each (thread t: range t / (N*P)), so a
+// small grid has that many more threads in flight; 1 (ATen's): one thread a point over every channel.
+#ifndef GS_CF_SPLIT
+#define GS_CF_SPLIT 1
+#endif
 template <typename T, typename A, int MODE, int K, int UNROLL>
 __device__ __forceinline__ void cf_channels(const T* __restrict__ in_c, T* __restrict__ out_c, const int (&off)[K],
                                             const A (&w)[K], int C, int in_sC, long long go_sC) {
@@ -319,9 +324,13 @@ __global__ void __launch_bounds__(256) gs_forward_cf(const T* __restrict__ inp, 
     static_assert(MODE != MODE_BICUBIC, "bicubic forwards take gs_forward");
     if (scattered != nullptr && plane_chosen(scattered, g)) return;
     constexpr int K = Taps<ND, MODE>::K;
-    const int P = (int)(g.OD * g.OH * g.OW), C = (int)g.C, total = (int)g.N * P;  // < 2^31: the plan checks
-    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
-        const int n = t / P, p = t - n * P;
+    const int P = (int)(g.OD * g.OH * g.OW), points = (int)g.N * P;  // N * P * GS_CF_SPLIT < 2^31: the plan checks
+    const int span = ((int)g.C + GS_CF_SPLIT - 1) / GS_CF_SPLIT;
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < points * GS_CF_SPLIT; t += gridDim.x * blockDim.x) {
+        const int part = t / points, q = t - part * points;
+        const int c0 = part * span, C = min((int)g.C - c0, span);
+        if (C <= 0) continue;
+        const int n = q / P, p = q - n * P;
         int od, oh, ow;
         point_at(p, g, od, oh, ow);
         A c[ND];
@@ -334,8 +343,8 @@ __global__ void __launch_bounds__(256) gs_forward_cf(const T* __restrict__ inp, 
             off[k] = tp.ok(k) ? (int)tp.src(k, g) : -1;
             w[k] = tp.w(k);
         }
-        const T* in_c = inp + n * g.in_sN;
-        T* out_c = out + n * g.go_sN + od * g.go_sD + oh * g.go_sH + ow * g.go_sW;
+        const T* in_c = inp + n * g.in_sN + (long long)c0 * g.in_sC;
+        T* out_c = out + n * g.go_sN + od * g.go_sD + oh * g.go_sH + ow * g.go_sW + (long long)c0 * g.go_sC;
         if constexpr (ND == 3 || sizeof(A) == 8) {  // 3-D: unrolled ran slower (above); float64: it spilled
             cf_channels<T, A, MODE, K, 1>(in_c, out_c, off, w, C, (int)g.in_sC, g.go_sC);
         } else {

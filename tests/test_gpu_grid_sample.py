@@ -235,8 +235,10 @@ def test_forward_planes_in_shared_memory(monkeypatch, spread):
     monkeypatch.setitem(gs.TUNING, "fwd_plane_modes", gs.MODES)
     torch.manual_seed(9)
     failures = []
+    # the gather kernel's dtypes are the point tests' too: here its two widths (each dtype is a compile)
+    dtypes = ("float32", "float16", "bfloat16", "float64") if spread == 0 else ("float32", "float16")
     for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (2, ((16, 16), (40, 40))), (3, ((4, 5, 6), (3, 4, 5)))):
-        for dtype in ("float32", "float16", "bfloat16", "float64"):
+        for dtype in dtypes:
             for mode in MODES[nd]:
                 for pad in PADS:
                     f = run_case(nd, mode, pad, pad == "border", dtype, "contiguous", 3, 13, in_sp, out_sp,
@@ -266,8 +268,10 @@ def test_forward_point_kernel(monkeypatch, spread):
     monkeypatch.setitem(gs.TUNING, "fwd_plane", False)
     torch.manual_seed(11)
     failures = []
+    # float64 never unrolls (it spilled): the smooth setting's own path is the 16- and 32-bit ones
+    dtypes = ("float32", "float16", "bfloat16", "float64") if spread == 0 else ("float32", "float16", "bfloat16")
     for nd, (in_sp, out_sp) in ((2, ((9, 11), (6, 7))), (2, ((16, 16), (40, 40))), (3, ((4, 5, 6), (3, 4, 5)))):
-        for dtype in ("float32", "float16", "bfloat16", "float64"):
+        for dtype in dtypes:
             for mode in ("bilinear", "nearest"):
                 for pad in PADS:
                     for c in (1, 7):
@@ -296,6 +300,27 @@ def test_forward_point_kernel(monkeypatch, spread):
                 if not torch.equal(gs.grid_sample(x, g, mode=mode), want):
                     failures.append(dict(shape=shape, smooth=smooth, mode=mode, bitwise="differs from torch"))
     _fail_if_any(f"forward_point_kernel[{spread}]", failures)
+
+
+@pytest.mark.parametrize("knob", [("fwd_cf_split", 3), ("fwd_cf_blocks_per_sm", 1)], ids=["split3", "capped"])
+def test_forward_point_kernel_knobs(monkeypatch, knob):
+    """gs_forward_cf with a point's channels over 3 threads (channel counts leaving the last range short or
+    empty) or its grid capped at a block an SM (grid-stride): outputs bit-identical to torch's."""
+    monkeypatch.setitem(gs.TUNING, knob[0], knob[1])
+    monkeypatch.setitem(gs.TUNING, "fwd_cf_min_points", 1)
+    monkeypatch.setitem(gs.TUNING, "fwd_plane", False)
+    torch.manual_seed(12)
+    failures = []
+    # the last: 512 blocks of points, so a grid capped at one block an SM strides
+    for shape, out_sp in (((2, 7, 9, 11), (6, 7)), ((3, 2, 4, 5, 6), (3, 4, 5)), ((2, 4, 8, 8, 8), (64, 32, 32))):
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            g = (torch.rand(shape[0], *out_sp, len(out_sp), device="cuda") * 2.2 - 1.1).to(dtype)
+            for mode in ("bilinear", "nearest"):
+                want = torch.nn.functional.grid_sample(x, g, mode=mode, align_corners=False)
+                if not torch.equal(gs.grid_sample(x, g, mode=mode), want):
+                    failures.append(dict(shape=shape, dtype=dtype, mode=mode))
+    _fail_if_any(f"forward_point_kernel_knobs[{knob}]", failures)
 
 
 @pytest.mark.parametrize("go_transpose, input_transpose", [(True, True), (False, False)])

@@ -297,9 +297,10 @@ def cpu_plans(monkeypatch):
     compiled or launched; yields the list of (program, dtype) lookups."""
     lookups = []
 
-    def functions(device, program, dtype, options):
+    def functions(device, program, dtype, options, variant):
         lookups.append((program, dtype))
-        return {n: _FakeFunction(n) for n in gs.programs(dtype)[program]}  # KeyError: a name outside its program
+        # KeyError: a name outside its program or its variant
+        return {n: _FakeFunction(n) for n in gs.programs(dtype)[program] if gs.variant_of(n) == variant}
 
     monkeypatch.setattr(gs, "_functions", functions)
     monkeypatch.setattr(gs, "_device_limits", lambda device: (H100_SHARED, H100_SMS))
@@ -538,11 +539,13 @@ def test_forward_knobs_reach_the_kernels_as_macros(monkeypatch):
     assert f"#define GS_PLANE_THREADS {gs.TUNING['fwd_plane_threads']}\n" in src  # the source's default, the same
     assert f"#define GS_PLANE_POINTS {gs.TUNING['fwd_plane_points']}\n" in src
     assert f"#define GS_CF_UNROLL {gs.TUNING['fwd_cf_unroll']}\n" in src
+    assert f"#define GS_CF_SPLIT {gs.TUNING['fwd_cf_split']}\n" in src
     monkeypatch.setitem(gs.TUNING, "fwd_plane_threads", 256)
     monkeypatch.setitem(gs.TUNING, "fwd_cf_unroll", 2)
+    monkeypatch.setitem(gs.TUNING, "fwd_cf_split", 3)
     monkeypatch.setitem(gs.TUNING, "options", ("-DX=1",))
-    assert gs._options()[-4:] == ("-DGS_PLANE_THREADS=256", f"-DGS_PLANE_POINTS={gs.TUNING['fwd_plane_points']}",
-                                  "-DGS_CF_UNROLL=2", "-DX=1")
+    assert gs._options()[-5:] == ("-DGS_PLANE_THREADS=256", f"-DGS_PLANE_POINTS={gs.TUNING['fwd_plane_points']}",
+                                  "-DGS_CF_UNROLL=2", "-DGS_CF_SPLIT=3", "-DX=1")
 
 
 def _forward_launch(in_shape, out_sp, *, strides=None, dtype="float32", residue=0):
@@ -635,3 +638,18 @@ def test_forward_layouts_and_knobs(cpu_plans, monkeypatch):
     assert misaligned[5].startswith("gs_forward_plane<") and not int(misaligned[4][3]["flags"][0]) & gs.F_PLANE_VEC
     monkeypatch.setitem(gs.TUNING, "fwd_plane", False)
     assert _forward_launch(shape, (16, 16))[5].startswith("gs_forward<")
+
+
+def test_a_call_compiles_its_own_variant_and_the_shared_kernels_only():
+    """Kernels compile per (program, dtype, (nd, mode)) plus one module of the variant-free ones: the groups
+    partition each program, and a forward call's module holds a fifth of its program's instantiations."""
+    assert gs.variant_of("gs_forward<float, float, 3, 1>") == (3, 1)
+    assert gs.variant_of("gs_place<float, 2, 2>") == (2, 2)
+    assert gs.variant_of("gs_to_cl<float, float>") is None and gs.variant_of("gs_bounds") is None
+    for dtype in gs.CTYPES:
+        for program, names in gs.programs(dtype).items():
+            groups = {gs.variant_of(n) for n in names}
+            assert groups <= set(gs.VARIANTS) | {None}, (program, groups)
+            assert sorted(n for g in groups for n in names if gs.variant_of(n) == g) == sorted(names)
+    forward = gs.programs("float32")["grid_sample_forward.cu"]
+    assert len([n for n in forward if gs.variant_of(n) == (2, 0)]) * 4 < len(forward)

@@ -54,6 +54,8 @@ SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
     "no_cf": {"fwd_cf": False},
     **{f"cf_u{n}": {"fwd_cf_unroll": n} for n in (1, 2, 8)},
     "cf_spread0": {"options": ("-DGS_CF_SPREAD=0",)},
+    **{f"cf_bpsm{n}": {"fwd_cf_blocks_per_sm": n} for n in (1, 2, 3, 4, 6)},  # its grid capped: fewer warps an L1
+    **{f"cf_split{n}": {"fwd_cf_split": n} for n in (2, 4)},  # n threads a point, a channel range each
     # registers as the compiler likes (1), or capped for n blocks of 256 per SM, every variant alike
     **{f"min_blocks_{n}": {"options": (f"-DGS_FWD_MIN_BLOCKS={n}",)} for n in (1, 2, 3, 4, 5)},
 }
@@ -82,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--settings", default="default,vec_L1,vec_L2,one_per_group,min_blocks_1",
                     help=f"comma-separated, of: {', '.join(SETTINGS)}")
+    ap.add_argument("--shapes", default="", help="only the shapes whose name contains this")
     args = ap.parse_args(argv)
     settings = {name: SETTINGS[name] for name in args.settings.split(",")}
 
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
 
     cycles = harness.sleep_cycles_for(20.0)
     rows, defaults = [], {k: v for k, v in gs.TUNING.items() if k.startswith("fwd_") or k == "options"}
-    for name, dt, shape, out, layout, mode in SHAPES:
+    for name, dt, shape, out, layout, mode in (s for s in SHAPES if args.shapes in s[0]):
         dtype = getattr(torch, dt)
         x = torch.randn(shape, device="cuda", dtype=dtype)
         if layout == "last":
