@@ -54,6 +54,7 @@ SETTINGS = {  # TUNING overrides (see grid_sample.TUNING)
     "no_cf": {"fwd_cf": False},
     **{f"cf_u{n}": {"fwd_cf_unroll": n} for n in (1, 2, 8)},
     "cf_spread0": {"options": ("-DGS_CF_SPREAD=0",)},
+    "cf_box_always": {"options": ("-DGS_CF_MIN_UNROLL_C=0",)},  # the box measured (and unrolled) at any C
     **{f"cf_bpsm{n}": {"fwd_cf_blocks_per_sm": n} for n in (1, 2, 3, 4, 6)},  # its grid capped: fewer warps an L1
     **{f"cf_split{n}": {"fwd_cf_split": n} for n in (2, 4)},  # n threads a point, a channel range each
     # registers as the compiler likes (1), or capped for n blocks of 256 per SM, every variant alike
