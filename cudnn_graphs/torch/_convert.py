@@ -22,7 +22,9 @@ Both modes: a BatchNorm2d -> ReLU in front of a conv (DenseNet's layers and tran
 slots in an nn.Sequential) runs in eval, with no gradient wanted, as one cuDNN graph with the
 BatchNorm and ReLU as the conv's prologue (`_preact.py`); its modules stay where they were. Where no
 gradient is wanted, nn.LayerNorm and torchvision's LayerNorm2d run on this library's LayerNorm kernel,
-and torchvision's ConvNeXt block in fewer passes over memory (`_layernorm.py`).
+and torchvision's ConvNeXt block in fewer passes over memory (`_layernorm.py`). Inside a CUDA-graph
+capture, torchvision's SqueezeExcitation multiplies its scale into a channels-last map on this library's
+kernels, forward and backward (`_se.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
 from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
                          why_not_convnext_block)
 from ._preact import PreActivation, eval_affine, why_not_site
+from ._se import squeeze_excitation, squeeze_excitation_forward
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -66,6 +69,7 @@ class ConversionReport:
     layer_norms: list[str] = field(default_factory=list)
     convnext_blocks: list[str] = field(default_factory=list)
     unfused_convnext: list[tuple[str, str]] = field(default_factory=list)  # (block, why its own forward runs)
+    squeeze_excitations: list[str] = field(default_factory=list)  # torchvision SqueezeExcitation: scale * x ours
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
     train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
@@ -94,6 +98,9 @@ class ConversionReport:
             lines.append(f"{len(self.convnext_blocks)} ConvNeXt blocks in fewer passes where no gradient is wanted, "
                          f"one autograd node each in float16 AMP training")
         lines += [f"ConvNeXt block {where} runs its own forward: {why}" for where, why in self.unfused_convnext]
+        if self.squeeze_excitations:
+            lines.append(f"{len(self.squeeze_excitations)} squeeze-excitation scales (scale * x) on this library's "
+                         f"kernels inside CUDA-graph captures of channels-last CUDA maps")
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
         return "\n".join(lines)
 
@@ -140,6 +147,7 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
     if fuse_batchnorm:
         _pre_activations(model, report)
     _layer_norms(model, report)
+    _squeeze_excitations(model, report)
     model.cudnn_graphs_report = report
     return model
 
@@ -577,6 +585,13 @@ def _layer_norms(model: nn.Module, report: ConversionReport) -> None:
                      *((module.block, n) for n in module.block._modules)]
             module.forward = _Forward(convnext_block_forward, module, places(slots))
             report.convnext_blocks.append(name)
+
+
+def _squeeze_excitations(model: nn.Module, report: ConversionReport) -> None:
+    for name, module in list(model.named_modules()):
+        if squeeze_excitation(module):
+            module.forward = _Forward(squeeze_excitation_forward, module)
+            report.squeeze_excitations.append(name)
 
 
 def _convnext_block(module: nn.Module) -> bool:
