@@ -41,6 +41,12 @@ def name_expressions() -> list[str]:
     return [name for dtype in SIXTEEN_AND_32 for name in _names(dtype).values()]
 
 
+def load(dtype: str, device: int) -> None:
+    """Compile (or read from CuPy's disk cache) and load the kernels for `dtype` on `device`: a caller that will
+    launch them inside a CUDA-graph capture does this before it (a module load while capturing breaks it)."""
+    _functions(dtype, device)
+
+
 @functools.lru_cache(maxsize=None)
 def _functions(dtype: str, device: int) -> dict[str, int]:
     names = _names(dtype)
@@ -50,7 +56,7 @@ def _functions(dtype: str, device: int) -> dict[str, int]:
 
 def backward_grid(samples: int, rows: int, channels: int, dtype: str, sms: int) -> tuple[int, int, int, int]:
     """(column chunks, splits, samples, rows a split) of the backward's grid: about BWD_BLOCKS_PER_SM blocks an
-    SM, each sample's rows cut into `splits` ranges of whole block iterations."""
+    SM, each sample's rows cut into `splits` ranges, no more ranges than a block's row steps would fill."""
     vectors = channels // vec(dtype)
     chunks = -(-vectors // THREADS)
     rows_at_once = THREADS // min(vectors, THREADS)

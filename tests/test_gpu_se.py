@@ -87,10 +87,22 @@ def _train(forward, params, x, y, steps):
     return losses
 
 
+def _se_grads(forward, model, x, y):
+    """One step's gradients of every SE module's parameters (then cleared)."""
+    with torch.autocast("cuda", dtype=torch.float16):
+        torch.nn.functional.cross_entropy(forward(x).float(), y).backward()
+    grads = [p.grad.clone() for m in model.modules() if type(m).__name__ == "SqueezeExcitation"
+             for p in m.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
 @pytest.mark.parametrize("name", ["efficientnet_b0", "mobilenet_v3_small", "regnet_y_400mf"])
 def test_captured_se_models_train_like_torch(name, monkeypatch):
-    """Inside `capture` the SE scales run on our node (eager steps keep torch's product): the captured steps'
-    losses track torch's eager ones on a fixed batch, and the model pickles with its replaced forwards."""
+    """Inside `capture` the SE scales run on our node (eager steps keep torch's product): a captured step's
+    SE gradients match torch's eager ones, the captured steps' losses track torch's on a fixed batch, and the
+    model pickles with its replaced forwards. Dropout and stochastic depth off: the captured steps draw other
+    random masks than the eager ones."""
     tv = pytest.importorskip("torchvision")
     import cudnn_graphs.torch as cgt
 
@@ -99,14 +111,19 @@ def test_captured_se_models_train_like_torch(name, monkeypatch):
     monkeypatch.setattr(_se.SeScaleFunction, "apply", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(3)
     base = getattr(tv.models, name)(num_classes=10).cuda().to(memory_format=CL)
+    for m in base.modules():
+        if type(m).__name__ in ("Dropout", "StochasticDepth"):
+            m.p = 0.0
     ours = cgt.convert(copy.deepcopy(base))
     assert ours.cudnn_graphs_report.squeeze_excitations, name
     x = torch.randn(8, 3, 64, 64, device="cuda").contiguous(memory_format=CL)
     y = torch.randint(0, 10, (8,), device="cuda")
-    want = _train(base, base.parameters(), x, y, 8)
     with torch.autocast("cuda", dtype=torch.float16):
         step = cgt.capture(ours, (x.clone(),))
     assert calls, "no SE scale ran on our node inside the capture"
+    for g, w in zip(_se_grads(step, ours, x, y), _se_grads(base, base, x, y)):
+        assert _err(g.float(), w.double()) <= 2e-2, (_err(g.float(), w.double()), g.shape)
+    want = _train(base, base.parameters(), x, y, 8)
     got = _train(step, ours.parameters(), x, y, 8)
     assert want[-1] < want[0] and got[-1] < got[0], (got, want)
     # the first step to float16 rounding; after it, ds's float32 sums (torch sums float16 products) move the

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError, SpecError
+from ._se import load_for_capture
 
 __all__ = ["Captured", "capture"]
 
@@ -244,6 +245,7 @@ def _warm_up(model: nn.Module, body: _Body, inputs: tuple, steps: int) -> None:
     """Eager forward + backward steps on a side stream, as make_graphed_callables does (plans built,
     autotuning and lazy initialisation done before capture), the last under torch's sync debug mode."""
     surface = tuple(t for t in inputs if t.requires_grad)
+    load_for_capture(model, inputs)  # kernels that only captures launch: loaded now, not mid-capture
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         for step in range(steps):

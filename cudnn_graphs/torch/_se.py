@@ -9,7 +9,8 @@ channels-last CUDA tensor of float16, bfloat16 or float32 with the scale in its 
 the backward one pass that reads dy and the map once, writes dx and sums dy * x per (sample, channel) in
 float32 in a fixed order, plus a small kernel adding the blocks' sums. torch runs the product and its
 backward's two through TensorIterator's non-vectorised kernel and sums in a separate reduction. Anything else
-(eager calls, NCHW, another dtype mix, torch.compile or torch.func tracing) runs torch's product.
+(eager calls, NCHW, another dtype mix, torch.compile or torch.func tracing, a capture before the kernels were
+loaded: `capture`'s warm-up loads them) runs torch's product. A second-order gradient through the node raises.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from fallback_kernels.se_scale import SeScale, supported
+from fallback_kernels.se_scale import SeScale, load, supported
 
 _lock = threading.Lock()  # a launch patches its argument slots in place
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_LAUNCHERS = 256  # geometries kept (a model has a few dozen); past it the memo starts again
 _MAX_SAMPLES = 65535  # the backward grid's third dimension
 _launchers: dict[tuple, SeScale] = {}
+_loaded: set[tuple[str, int]] = set()  # (dtype, device) whose kernels are loaded
 
 
 def squeeze_excitation(module: nn.Module) -> bool:
@@ -44,6 +46,37 @@ def squeeze_excitation_forward(self: nn.Module, input: torch.Tensor) -> torch.Te
     # against 1.72x with torch's product); replayed, only the device time counts.
     out = se_scale(input, scale) if input.is_cuda and torch.cuda.is_current_stream_capturing() else None
     return scale * input if out is None else out
+
+
+def load_for_capture(model: nn.Module, inputs: tuple) -> None:
+    """Load our kernels ahead of a capture of `model` (`capture`'s warm-up), for the dtypes its maps can have:
+    autocast's and the inputs'. A capture whose kernels were not loaded before it runs torch's product (a
+    module load inside a capture would invalidate it)."""
+    if not any(getattr(getattr(m, "forward", None), "fn", None) is squeeze_excitation_forward
+               for m in model.modules()):
+        return
+    dtypes = {t.dtype for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda and t.is_floating_point()}
+    if torch.is_autocast_enabled("cuda"):
+        dtypes.add(torch.get_autocast_dtype("cuda"))
+    devices = {t.get_device() for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+    for dtype in dtypes & _DTYPES.keys():
+        for device in devices:
+            _load(torch.empty(0, dtype=dtype, device=device))
+
+
+def _load(x: torch.Tensor) -> bool:
+    """Whether our kernels for x's dtype are loaded on its device, loading them outside a capture (a module
+    load inside one would invalidate it: there the call runs torch's product instead)."""
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None:
+        return False
+    key = (dtype, x.get_device())
+    if key not in _loaded:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        load(*key)
+        _loaded.add(key)
+    return True
 
 
 def se_scale(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
@@ -67,6 +100,8 @@ def _launcher(x: torch.Tensor, s: torch.Tensor) -> SeScale | None:
         return None
     key = (n, h * w, c, _DTYPES[x.dtype], x.get_device())
     launcher = _launchers.get(key)
+    if launcher is None and not _load(x):
+        return None
     if launcher is None:
         if len(_launchers) >= _MAX_LAUNCHERS:
             _launchers.clear()
