@@ -125,7 +125,8 @@ VARIANTS = tuple((nd, m) for nd in (2, 3) for m in (BILINEAR, NEAREST, BICUBIC) 
 # fwd_cf*: channels-first forwards of at least fwd_cf_min_points points in fwd_cf_modes take gs_forward_cf (one
 # thread per point over every channel, ATen's loop order, 32-bit offsets) instead of gs_forward's lanes;
 # fwd_cf_unroll reaches it as GS_CF_UNROLL (channels an iteration issues where a warp's points are close);
-# fwd_cf_blocks_per_sm > 0 caps its grid at that many blocks an SM (grid-stride: fewer warps share an L1).
+# fwd_cf_blocks_per_sm > 0 caps its grid at that many blocks an SM (grid-stride: fewer warps share an L1);
+# fwd_cf_split reaches it as GS_CF_SPLIT (threads sharing a point's channels). Both measured and left off.
 TUNING = {"go_transpose": False, "input_transpose": True, "det_keys": "count", "tile": True, "tile_min_fill": 0.5,
           "tile_sort_bytes": 96 * 1024, "tile_scratch_bytes": 64 << 20, "options": (),
           "fwd_threads": 1 << 15, "fwd_groups_per_lane": 8, "fwd_lanes_log2": (0, 5),

@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(256) gs_forward_cf(const T* __restrict__ inp, 
         T* out_c = out + n * g.go_sN + od * g.go_sD + oh * g.go_sH + ow * g.go_sW + (long long)c0 * g.go_sC;
         if constexpr (ND == 3 || sizeof(A) == 8) {  // 3-D: unrolled ran slower (above); float64: it spilled
             cf_channels<T, A, MODE, K, 1>(in_c, out_c, off, w, C, (int)g.in_sC, g.go_sC);
-        } else if (C < GS_CF_MIN_UNROLL_C) {  // the same for every lane: no divergence before the shuffles below
+        } else if (C < GS_CF_MIN_UNROLL_C) {  // uniform at GS_CF_SPLIT 1 (else the shuffles' __activemask copes)
             cf_channels<T, A, MODE, K, 1>(in_c, out_c, off, w, C, (int)g.in_sC, g.go_sC);
         } else {
             const unsigned int mask = __activemask();
