@@ -81,9 +81,7 @@ def vector_width(dtype: str, channels: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _functions(dtype: str, device: int) -> dict[str, int]:
-    names = {**_names(dtype), **CASTS}
-    module = _compile.load_module("batchnorm.cu", tuple(names.values()), device)
-    return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
+    return _compile.cufunctions("batchnorm.cu", {**_names(dtype), **CASTS}, device)
 
 
 class _Launch:

@@ -81,6 +81,12 @@ def cubin(filename: str, name_expression: str, arch: str, options: tuple[str, ..
         nvrtc.destroyProgram(prog)
 
 
+def cufunctions(filename: str, names: dict, device: int) -> dict:
+    """{key: CUfunction} of `names` ({key: name expression}) compiled together from `filename` for `device`."""
+    module = load_module(filename, tuple(names.values()), device)
+    return {key: cufunction(module.get_function(expr), device) for key, expr in names.items()}
+
+
 def cufunction(kernel: Any, device: int) -> int:
     """The CUfunction behind a CuPy RawKernel of `device`, for `gpu_launch.driver.Kernel` (CuPy loads
     modules in the primary context, where the driver layer launches)."""

@@ -83,9 +83,7 @@ def layout(channels: int, dtype: str, *, align: int, backward: bool = False) -> 
 
 @functools.lru_cache(maxsize=None)
 def _functions(dtype: str, param_dtype: str, device: int) -> dict[tuple, int]:
-    names = _names(dtype, param_dtype)
-    module = _compile.load_module("layernorm.cu", tuple(names.values()), device)
-    return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
+    return _compile.cufunctions("layernorm.cu", _names(dtype, param_dtype), device)
 
 
 def _checked_layout(rows: int, channels: int, dtype: str, param_dtype: str, align: int, backward: bool):

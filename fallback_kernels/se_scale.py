@@ -49,9 +49,7 @@ def load(dtype: str, device: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _functions(dtype: str, device: int) -> dict[str, int]:
-    names = _names(dtype)
-    module = _compile.load_module("se_scale.cu", tuple(names.values()), device)
-    return {key: _compile.cufunction(module.get_function(expr), device) for key, expr in names.items()}
+    return _compile.cufunctions("se_scale.cu", _names(dtype), device)
 
 
 def backward_grid(samples: int, rows: int, channels: int, dtype: str, sms: int) -> tuple[int, int, int, int]:

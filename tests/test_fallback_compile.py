@@ -155,3 +155,17 @@ def test_batchnorm_reduction_chunks_fill_the_gpu_from_the_shape_alone():
         blocks = tiles * -(-rows // chunk)
         assert blocks <= 264 or chunk == lanes * UNROLL  # one wave, unless the rows are too few to share
         assert chunk_rows(rows, tiles, lanes=lanes, blocks=264) == chunk  # the same sums in the same order
+
+
+def test_cufunctions_loads_one_module_and_keys_its_functions(monkeypatch):
+    loads = []
+
+    class Module:
+        def get_function(self, expr):
+            return f"fn:{expr}"
+
+    monkeypatch.setattr(kc, "load_module", lambda f, names, device: loads.append((f, names, device)) or Module())
+    monkeypatch.setattr(kc, "cufunction", lambda kernel, device: (kernel, device))
+    got = kc.cufunctions("x.cu", {"a": "k<float>", ("b", 1): "k<half_t>"}, 3)
+    assert loads == [("x.cu", ("k<float>", "k<half_t>"), 3)]
+    assert got == {"a": ("fn:k<float>", 3), ("b", 1): ("fn:k<half_t>", 3)}

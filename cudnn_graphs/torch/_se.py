@@ -23,8 +23,9 @@ from torch.autograd.function import once_differentiable
 
 from fallback_kernels.se_scale import SeScale, load, supported
 
+from ._layernorm import _DTYPES  # torch dtype -> the kernels' name: float16, bfloat16, float32
+
 _lock = threading.Lock()  # a launch patches its argument slots in place
-_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _MAX_LAUNCHERS = 256  # geometries kept (a model has a few dozen); past it the memo starts again
 _MAX_SAMPLES = 65535  # the backward grid's third dimension
 _launchers: dict[tuple, SeScale] = {}
@@ -61,16 +62,13 @@ def load_for_capture(model: nn.Module, inputs: tuple) -> None:
     devices = {t.get_device() for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda}
     for dtype in dtypes & _DTYPES.keys():
         for device in devices:
-            _load(torch.empty(0, dtype=dtype, device=device))
+            _load(_DTYPES[dtype], device)
 
 
-def _load(x: torch.Tensor) -> bool:
-    """Whether our kernels for x's dtype are loaded on its device, loading them outside a capture (a module
-    load inside one would invalidate it: there the call runs torch's product instead)."""
-    dtype = _DTYPES.get(x.dtype)
-    if dtype is None:
-        return False
-    key = (dtype, x.get_device())
+def _load(dtype: str, device: int) -> bool:
+    """Whether our kernels for `dtype` are loaded on `device`, loading them outside a capture (a module load
+    inside one would invalidate it: there the call runs torch's product instead)."""
+    key = (dtype, device)
     if key not in _loaded:
         if torch.cuda.is_current_stream_capturing():
             return False
@@ -100,7 +98,7 @@ def _launcher(x: torch.Tensor, s: torch.Tensor) -> SeScale | None:
         return None
     key = (n, h * w, c, _DTYPES[x.dtype], x.get_device())
     launcher = _launchers.get(key)
-    if launcher is None and not _load(x):
+    if launcher is None and not _load(key[3], key[4]):
         return None
     if launcher is None:
         if len(_launchers) >= _MAX_LAUNCHERS:
