@@ -52,6 +52,11 @@ def _net():
     ).double()
 
 
+def _chain(net, where):
+    """The fused run convert reported at `where`."""
+    return dict(net.cudnn_graphs_report.chains)[where]
+
+
 def _step(net, x):
     out = net(x)
     out.square().mean().backward()
@@ -79,9 +84,9 @@ def test_training_convert_finds_runs_and_keeps_paths():
     assert where == {"0": 2, "9": 3, "10": 3, "11": 2}
     # a block's downsample conv -> BatchNorm is its run's branch: the run computes the residual itself
     block = net[10]
-    branch = block._cudnn_graphs_chain.branch
+    branch = _chain(net, "10").branch
     assert branch.conv is block.downsample[0] and branch.bn is block.downsample[1] and not branch.relu
-    assert net[9]._cudnn_graphs_chain.branch is None  # no downsample: the identity is the residual
+    assert _chain(net, "9").branch is None  # no downsample: the identity is the residual
     assert "10 (3 convs + downsample)" in str(report)
     assert list(net.state_dict()) == keys
     assert all(c.status() == "not run in training yet" for _, c in report.chains)
@@ -106,11 +111,12 @@ def test_converted_runs_compute_what_the_modules_compute_on_cpu(train):
 def test_copies_and_pickles_carry_chains_onto_their_own_modules():
     net = cgt.convert(_net())
     for clone in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
-        chain = clone[9]._cudnn_graphs_chain
+        chain = _chain(clone, "9")
         assert isinstance(chain, Chain) and chain.stages[0].conv is clone[9].conv1
         assert chain.stages[2].bn is clone[9].bn3 and chain._plans == {}
-        ds = clone[10]._cudnn_graphs_chain
-        assert ds.branch_module is clone[10].downsample and ds.branch.conv is clone[10].downsample[0]
+        ds = _chain(clone, "10")
+        assert ds.branch.conv is clone[10].downsample[0] and ds.branch.bn is clone[10].downsample[1]
+        assert chain.unfused_fn.root is clone[9]  # its unfused operations run on the copy's modules
         x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
         torch.testing.assert_close(clone(x), net(x))
 
@@ -136,7 +142,7 @@ def test_hooks_on_a_runs_modules_fire_and_keep_it_unfused():
     node: the run's modules compute instead, and every hook fires as in torch's model."""
     net = cgt.convert(_net())
     block = net[9]  # a Bottleneck: three stages, block.relu used after each
-    chain = block._cudnn_graphs_chain
+    chain = _chain(net, "9")
     assert not chain._hooked()
     calls = []
     handles = [block.conv2.register_forward_hook(lambda *a: calls.append("conv2")),
@@ -161,7 +167,7 @@ def test_hooks_on_a_downsample_fire_and_keep_its_run_unfused():
     (the run computes through its modules, the downsample called as torchvision's forward calls it)."""
     net = cgt.convert(_net())
     block = net[10]
-    chain = block._cudnn_graphs_chain
+    chain = _chain(net, "10")
     calls = []
     handles = [block.downsample.register_forward_hook(lambda *a: calls.append("downsample")),
                block.downsample[1].register_forward_hook(lambda *a: calls.append("downsample.1"))]
@@ -173,6 +179,7 @@ def test_hooks_on_a_downsample_fire_and_keep_its_run_unfused():
     assert not chain._hooked()
     with pytest.raises(ValueError, match="residual"):
         chain(torch.randn(2, 16, 4, 4, dtype=torch.float64), torch.randn(2, 32, 2, 2, dtype=torch.float64))
+    assert not block.forward.variants[0].holds((torch.randn(1),), {}) or True  # guards read, never raise
 
 
 def test_modules_replaced_after_convert_are_the_ones_that_run():
@@ -199,10 +206,10 @@ def test_modules_replaced_after_convert_are_the_ones_that_run():
     assert all("replaced after convert" in status[w] for w in ("0", "9", "10", "11")), status
     fresh = cgt.convert(_net())
     for clone in (copy.deepcopy(fresh), pickle.loads(pickle.dumps(fresh))):  # copies watch their own modules
-        held = clone[10].forward.held
-        assert held[0][0] is clone[10]._modules and held[-1][2] is clone[10].downsample[1]
+        held = clone[10].forward.variants[0].held  # the rewritten forward's guard watches the copy's slots
+        assert any(modules is clone[10]._modules and name == "downsample" for modules, name, _ in held)
         assert all(modules.get(name) is m for modules, name, m in held)
-        assert clone[10]._cudnn_graphs_chain.held is held  # the node reports what its forward checks
+        assert all(modules.get(name) is m for modules, name, m in _chain(clone, "10").held)
 
 
 def test_torch_func_transforms_run_the_modules():

@@ -147,12 +147,13 @@ class Chain:
 
     def __init__(self, stages: list[Stage], *, final_relu: bool, branch: Stage | None = None,
                  branch_module: nn.Module | None = None):
-        if (branch is None) != (branch_module is None):
-            raise ValueError("branch and branch_module: give both or neither")
+        if branch is None and branch_module is not None:
+            raise ValueError("branch_module: a run without a branch has no branch module")
         self.stages = tuple(stages)
         self.final_relu = final_relu
         self.branch, self.branch_module = branch, branch_module
         self.held: tuple = ()  # places(...) of the modules convert found: the report tells when one moved
+        self.unfused_fn = None  # where convert matched the run on a traced graph: its operations as traced
         self._plans: dict[tuple, Any] = {}
         self._why: str | None = None  # why the last new geometry runs unfused
 
@@ -174,6 +175,8 @@ class Chain:
 
     def unfused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The run as its modules compute it (their hooks fire)."""
+        if self.unfused_fn is not None:  # the user's own operations (x enters once where it is the residual)
+            return self.unfused_fn(x) if residual is None or residual is x else self.unfused_fn(x, residual)
         if self.branch_module is not None:
             residual = self.branch_module(x)
         for st in self.stages[:-1]:
@@ -200,17 +203,18 @@ class Chain:
     def __deepcopy__(self, memo: dict) -> "Chain":
         twin = Chain(copy.deepcopy(list(self.stages), memo), final_relu=self.final_relu,
                      branch=copy.deepcopy(self.branch, memo), branch_module=copy.deepcopy(self.branch_module, memo))
-        twin.held = copy.deepcopy(self.held, memo)
+        twin.held, twin.unfused_fn = copy.deepcopy((self.held, self.unfused_fn), memo)
         return twin
 
     def __getstate__(self) -> dict:
         return {"stages": self.stages, "final_relu": self.final_relu, "branch": self.branch,
-                "branch_module": self.branch_module, "held": self.held}
+                "branch_module": self.branch_module, "held": self.held, "unfused_fn": self.unfused_fn}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(list(state["stages"]), final_relu=state["final_relu"], branch=state.get("branch"),
                       branch_module=state.get("branch_module"))
         self.held = state.get("held", ())
+        self.unfused_fn = state.get("unfused_fn")
 
     def _params(self) -> list:
         out = []
@@ -330,7 +334,7 @@ def hooked(modules) -> bool:
             or g._global_backward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in modules)
+               for m in modules if m is not None)
 
 
 def _ptr_or_0(t: torch.Tensor | None) -> int:

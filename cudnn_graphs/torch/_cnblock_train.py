@@ -101,7 +101,7 @@ def _noise(x: torch.Tensor, sd) -> torch.Tensor | None:
 
 
 def _launches(x: torch.Tensor, taps: int, fc1, act, mode: str) -> "_BlockTrain | None":
-    from ._convert import _activation_of
+    from ._activations import activation_of as _activation_of
 
     if torch.cuda.current_device() != x.get_device():  # cuBLASLt's handle and plans belong to the current one
         return None

@@ -37,12 +37,15 @@ from torch.nn.utils import parametrize
 
 from gpu_launch.activations import Activation
 
-from ._chain import Chain, Stage, moved, places, why_not_plain
-from ._conv import Conv1d, Conv2d, Conv3d, _memory_format
+from ._chain import Chain, moved, places
+from ._conv import Conv1d, Conv2d, Conv3d
+from ._graph import TraceFailed, View, call_sites, install, is_leaf, trace, traced_modules
 from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
                          why_not_convnext_block)
-from ._preact import PreActivation, eval_affine, why_not_site
+from ._preact import PreActivation
 from ._se import squeeze_excitation, squeeze_excitation_forward
+from .rules import rules_for
+from .rules.conv_bn_run import unpaired
 
 __all__ = ["ConversionReport", "convert"]
 
@@ -71,6 +74,9 @@ class ConversionReport:
     unfused_convnext: list[tuple[str, str]] = field(default_factory=list)  # (block, why its own forward runs)
     squeeze_excitations: list[str] = field(default_factory=list)  # torchvision SqueezeExcitation: scale * x ours
     inference: bool = False  # converted with inference=True (BatchNorm folded, epilogues fused)
+    rules: dict = field(default_factory=dict)  # rule name -> [(where, "fused" or why not)]
+    rewritten: list[str] = field(default_factory=list)  # modules whose forward runs their rewritten graph
+    untraced: list[tuple[str, str]] = field(default_factory=list)  # (module, why its forward did not trace)
     train_convs: str = "torch"  # where a conv outside a fused run needs a gradient: "torch" or "cudnn_graphs"
 
     def __str__(self) -> str:
@@ -102,6 +108,10 @@ class ConversionReport:
             lines.append(f"{len(self.squeeze_excitations)} squeeze-excitation scales (scale * x) on this library's "
                          f"kernels inside CUDA-graph captures of channels-last CUDA maps")
         lines += [f"kept torch's {name}: {why}" for name, why in self.kept]
+        lines += [f"{name} runs its own forward (torch.fx could not trace it): {why}" for name, why in self.untraced]
+        for rule, entries in sorted(self.rules.items()):
+            fused = sum(1 for _, status in entries if status == "fused")
+            lines.append(f"rule {rule}: {fused} fused, {len(entries) - fused} declined")
         return "\n".join(lines)
 
 
@@ -136,18 +146,17 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
     if isinstance(existing, ConversionReport) and (existing.inference or not inference):
         return model  # converted already: its convs are ours, its runs chained or its BatchNorm folded
     report = ConversionReport(inference=inference, train_convs=train_convs)
-    if inference:
-        _fuse(model, report)
+    if isinstance(model, torch.jit.ScriptModule):  # its compiled code runs, whatever its modules are
+        report.kept.append((type(model).__name__, _SCRIPTED))
+        object.__setattr__(model, "cudnn_graphs_report", report)
+        return model
     _replace(model, "", report)
     if not inference and train_convs == "torch":
         for conv in _converted(model):
             conv.torch_when_training = True
-    if not inference and fuse_batchnorm:
-        _chain_batchnorm(model, report)
-    if fuse_batchnorm:
-        _pre_activations(model, report)
     _layer_norms(model, report)
     _squeeze_excitations(model, report)
+    _apply_rules(model, report, inference, fuse_batchnorm)
     model.cudnn_graphs_report = report
     return model
 
@@ -160,6 +169,9 @@ def _replace(module: nn.Module, prefix: str, report: ConversionReport, done: dic
         if child is None:
             continue
         qualified = f"{prefix}{name}"
+        if isinstance(child, torch.jit.ScriptModule):
+            report.kept.append((qualified, _SCRIPTED))
+            continue
         ours = _ours_for(child)
         if id(child) in done:
             setattr(module, name, done[id(child)])
@@ -200,6 +212,9 @@ def _as_ours(conv: nn.Module, ours: type) -> nn.Module:
     return new
 
 
+_SCRIPTED = "a TorchScript module runs its compiled code: convert the nn.Module before scripting it"
+
+
 def _why_kept(conv: nn.Module) -> str:
     if isinstance(conv, nn.modules.conv._ConvTransposeNd):
         return "transposed convolution (not planned by this library)"
@@ -233,339 +248,147 @@ class _Forward:
         self.fn, self.module, self.held = state if len(state) == 3 else (*state, ())
 
 
-# -- inference: BatchNorm folding and epilogue fusion ---------------------------------------------------
+# -- rules on the traced graph -------------------------------------------------------------------------------
 
-def _fuse(model: nn.Module, report: ConversionReport) -> None:
-    for name, module in list(model.named_modules()):
-        prefix = f"{name}." if name else ""
-        if isinstance(module, nn.Sequential):
-            _fuse_sequential(module, prefix, report)
-        elif _resnet_block(module) is not None:
-            _fuse_resnet_block(module, prefix, report)
-
-
-def _fuse_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
-    names = list(seq._modules)
-    for i, name in enumerate(names):
-        conv = seq._modules[name]
-        if type(conv) not in _OURS and type(conv) not in _OURS.values():
-            continue
-        j = i + 1
-        if j < len(names) and _fold(conv, seq._modules[names[j]], report, prefix + names[j]):
-            seq._modules[names[j]] = nn.Identity()
-            j += 1
-        if j < len(names):
-            act = _activation_of(seq._modules[names[j]])
-            if act is not None and _identity_epilogue(conv):
-                conv.activation = act
-                seq._modules[names[j]] = nn.Identity()
-                report.fused_activation.append((prefix + name, str(act)))
-
-
-def _resnet_block(module: nn.Module) -> str | None:
-    """torchvision's BasicBlock / Bottleneck, recognised by their parts (no torchvision import)."""
-    kind = type(module).__name__
-    parts = {"BasicBlock": ("conv1", "bn1", "conv2", "bn2", "relu"),
-             "Bottleneck": ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "relu")}.get(kind)
-    if parts is None or not all(hasattr(module, p) for p in parts) or not isinstance(module.relu, nn.ReLU):
-        return None
-    return kind
-
-
-def _fuse_resnet_block(block: nn.Module, prefix: str, report: ConversionReport) -> None:
-    convs = ["conv1", "conv2"] + (["conv3"] if _resnet_block(block) == "Bottleneck" else [])
-    if not all(type(getattr(block, c)) in _OURS for c in convs):
+def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fuse_batchnorm: bool) -> None:
+    """The rules over every module whose forward traces, smallest first: a module's forward is rewritten
+    where a rule took some of its operations, and stays the user's where none did. A training conversion
+    traces each module twice: in training mode for the training rules, in eval mode for those that serve
+    eval (each rewrite runs only in the mode it was traced in)."""
+    if not fuse_batchnorm:
         return
-    for i, conv_name in enumerate(convs, start=1):
-        conv, bn = getattr(block, conv_name), getattr(block, f"bn{i}")
-        if not _fold(conv, bn, report, f"{prefix}bn{i}"):
-            return  # left as torch wrote it: its forward still calls every part
-        setattr(block, f"bn{i}", nn.Identity())
-    for conv_name in convs:
-        getattr(block, conv_name).activation = Activation("relu")
-    report.fused_activation += [(f"{prefix}{c}", "relu") for c in convs]
-    block.forward = _Forward(_fused_block_forward, block)
-    block._cudnn_graphs_convs = tuple(convs)
-    report.fused_residual.append(prefix.rstrip("."))
+    opaque: dict = {}
+    lists: set = set()
+    names = {id(m): n for n, m in model.named_modules()}
+    declined: dict = {}
+    variants = [("eval", False, rules_for("inference"))] if inference else \
+        [("train", True, [r for r in rules_for("training") if r.name != "preact"]),
+         ("eval", False, [r for r in rules_for("training") if r.name == "preact"])]
+    for tag, training, rules in variants:
+        flags = [(m, m.training) for m in model.modules()]
+        model.train(training)
+        try:
+            if not opaque and not lists:
+                call_sites(model, opaque, lists)
+            for name, module in _post_order(model):
+                if id(module) in opaque:
+                    if _fusable_inside(module) and tag == variants[0][0]:
+                        report.untraced.append((name or type(module).__name__, opaque[id(module)]))
+                    continue
+                if is_leaf(module) or id(module) in lists or not _fusable_inside(module):
+                    continue  # a module called with non-tensors is left to its caller's trace
+                _rewrite(module, name, rules, set(opaque), report, names, declined, tag)
+        finally:
+            for m, flag in flags:
+                m.training = flag
+    report.unchained = [(w, why) for (rule, w), why in declined.items() if rule == "conv_bn_run"]
+    report.no_prologue = [(w, why) for (rule, w), why in declined.items() if rule == "preact"]
+    for (rule, where), why in declined.items():
+        report.rules.setdefault(rule, []).append((where, why))
 
 
-def _fused_block_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """torchvision's block with BatchNorm folded: relu(conv(...)) per conv, the last one
-    relu(conv(out) + identity) in one epilogue."""
-    identity = x if self.downsample is None else self.downsample(x)
-    *inner, last = self._cudnn_graphs_convs
-    out = x
-    for name in inner:
-        out = getattr(self, name)(out)
-    return getattr(self, last)(out, identity)
+_BATCHNORM_RULES = ("conv_bn_run", "preact", "fold_bn")
 
 
-def _fold(conv: nn.Module, bn: nn.Module, report: ConversionReport, bn_name: str) -> bool:
-    """Fold an eval-mode BatchNorm that follows `conv` into its weight and bias (new tensors)."""
-    if not isinstance(bn, _BATCHNORMS) or bn.training or bn.running_mean is None or not _identity_epilogue(conv):
-        return False
-    if bn.num_features != conv.out_channels:
-        return False
-    scale, shift = eval_affine(bn, torch.float64)
-    with torch.no_grad():
-        weight = conv.weight.double() * scale.view(-1, *([1] * (conv.weight.dim() - 1)))
-        bias = shift if conv.bias is None else conv.bias.double() * scale + shift
-        dtype = conv.weight.dtype
-        conv.weight = nn.Parameter(weight.to(dtype).contiguous(memory_format=_memory_format(conv.weight)),
-                                   requires_grad=False)
-        conv.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
-    report.folded_batchnorm.append(bn_name)
-    report.weights = "copied"
-    return True
+def _post_order(model: nn.Module) -> list:
+    out, seen = [], set()
 
+    def visit(module: nn.Module, name: str) -> None:
+        if id(module) in seen or isinstance(module, torch.jit.ScriptModule):
+            return
+        seen.add(id(module))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{name}.{child_name}" if name else child_name)
+        out.append((name, module))
 
-def _identity_epilogue(conv: nn.Module) -> bool:
-    act = getattr(conv, "activation", None)
-    return act is None or act.is_identity
-
-
-def _activation_of(module: nn.Module) -> Activation | None:
-    """Our activation for a torch activation module, or None when it has no exact counterpart."""
-    kind = type(module)
-    if kind is nn.ReLU:
-        return Activation("relu")
-    if kind is nn.LeakyReLU:
-        return Activation("leaky_relu", module.negative_slope)
-    if kind is nn.ELU:
-        return Activation("elu", module.alpha)
-    if kind is nn.GELU:
-        return Activation("gelu_tanh" if module.approximate == "tanh" else "gelu")
-    if kind is nn.SiLU:
-        return Activation("silu")
-    if kind is nn.Sigmoid:
-        return Activation("sigmoid")
-    if kind is nn.Tanh:
-        return Activation("tanh")
-    return None  # Hardswish, ReLU6, Softplus with its threshold...: not exactly ours
-
-
-# -- training: conv -> BatchNorm -> ReLU runs as fused nodes -------------------------------------------
-
-def _chain_batchnorm(model: nn.Module, report: ConversionReport) -> None:
-    branches: set[int] = set()  # downsamples that became a block's branch (named_modules lists blocks first)
-    for name, module in list(model.named_modules()):
-        prefix = f"{name}." if name else ""
-        if _resnet_block(module) is not None:
-            _chain_resnet_block(module, prefix, report, branches)
-        elif type(module).forward is nn.Sequential.forward and id(module) not in branches:
-            _chain_sequential(module, prefix, report)
-
-
-def _conv_bn(conv: nn.Module, bn: nn.Module) -> bool:
-    """Our plain Conv2d (ungrouped, no bias or epilogue, zero padding) feeding a BatchNorm2d of its channels."""
-    return _why_not_stage(conv, bn) is None
-
-
-def _why_not_stage(conv: nn.Module, bn: nn.Module) -> str | None:
-    """Why a conv followed by `bn` cannot be a stage of a fused run, or None when it can."""
-    if type(bn) is not nn.BatchNorm2d:
-        return f"{type(bn).__name__} is not torch's BatchNorm2d"
-    if not isinstance(conv, Conv2d) or type(conv).forward is not Conv2d.forward:
-        return "the conv is not converted (see 'kept')" if isinstance(conv, nn.Conv2d) else "no Conv2d before it"
-    why = why_not_plain(conv, bias="the conv has a bias (fused runs take bias=False convs)")
-    if why is None and bn.num_features != conv.out_channels:
-        why = "the BatchNorm is not of the conv's channels"
-    return why
-
-
-def _chain_resnet_block(block: nn.Module, prefix: str, report: ConversionReport, branches: set[int]) -> None:
-    n = 3 if _resnet_block(block) == "Bottleneck" else 2
-    pairs = [(getattr(block, f"conv{i}"), getattr(block, f"bn{i}")) for i in range(1, n + 1)]
-    why = next((w for w in (_why_not_stage(c, b) for c, b in pairs) if w is not None), None)
-    if why is not None:
-        report.unchained.append((prefix.rstrip("."), why))
-        return
-    stages = [Stage(c, b, relu=True, act=block.relu) for c, b in pairs]
-    branch = _branch(getattr(block, "downsample", None))
-    if branch is not None:
-        branches.add(id(block.downsample))
-    block._cudnn_graphs_chain = Chain(stages, final_relu=True, branch=branch,
-                                      branch_module=None if branch is None else block.downsample)
-    held = [(block, f"{kind}{i}") for i in range(1, n + 1) for kind in ("conv", "bn")] + [(block, "relu")]
-    if branch is not None:
-        held += [(block, "downsample"), (block.downsample, "0"), (block.downsample, "1")]
-    block._cudnn_graphs_chain.held = places(held)
-    block.forward = _Forward(_chained_block_forward, block, block._cudnn_graphs_chain.held)
-    report.chains.append((prefix.rstrip("."), block._cudnn_graphs_chain))
-
-
-def _branch(downsample: nn.Module | None) -> Stage | None:
-    """A block's downsample as its run's branch: torchvision's nn.Sequential(conv, BatchNorm2d) whose pair
-    could be a stage. Anything else stays the residual input, computed by its own modules."""
-    if type(downsample) is not nn.Sequential or len(downsample) != 2:
-        return None
-    conv, bn = downsample[0], downsample[1]
-    return Stage(conv, bn, relu=False) if _why_not_stage(conv, bn) is None else None
-
-
-def _chains_run() -> bool:
-    """Whether fused runs may serve this call: not while torch.compile traces (it traces the modules'
-    registered ops; a run's planning is Python it cannot trace), not with torch's cuDNN disabled."""
-    return not torch.compiler.is_compiling() and torch._C._get_cudnn_enabled()  # dynamo can't trace the getter
-
-
-def _chained_block_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """torchvision's block, its body one fused node in training (its own forward in eval)."""
-    if not self.training or not _chains_run():
-        return type(self).forward(self, x)
-    chain = self._cudnn_graphs_chain
-    if chain.branch is not None:  # the downsample runs inside the node (or, unfused, as its modules)
-        return chain(x)
-    return chain(x, x if self.downsample is None else self.downsample(x))
-
-
-# A run of one stage (conv -> BatchNorm [-> ReLU] feeding something else) saves no pass over memory and cost
-# host time: mobilenet_v3_large, efficientnet_b0 and regnet_y_800mf trained 0.87x, 0.88x and 0.97x as fast
-# with them fused as without (H200, AMP, batch 64, tools/probe_step_kernels.py). Two stages save the first
-# stage's normalised activation (written and read again) through the second conv's prologue.
-MIN_RUN_STAGES = 2
-
-
-def _chain_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
-    """Runs of MIN_RUN_STAGES or more conv, BatchNorm2d[, ReLU] slots; a stage without its ReLU ends a run."""
-    names, steps, i, held = list(seq._modules), [], 0, []
-    while i < len(names):
-        stages, start = [], i
-        while i + 1 < len(names) and _conv_bn(seq._modules[names[i]], seq._modules[names[i + 1]]):
-            relu = i + 2 < len(names) and type(seq._modules[names[i + 2]]) is nn.ReLU
-            act = seq._modules[names[i + 2]] if relu else None
-            stages.append(Stage(seq._modules[names[i]], seq._modules[names[i + 1]], relu=relu, act=act))
-            i += 3 if relu else 2
-            if not relu:
-                break
-        if len(stages) < MIN_RUN_STAGES:
-            _note_unchained(seq, names, start, len(stages), prefix, report)
-            steps += names[start:i] if stages else [names[i]]
-            i += 0 if stages else 1
-            continue
-        final = stages[-1].relu
-        chain = Chain(stages, final_relu=final)
-        steps.append(chain)
-        report.chains.append((f"{prefix}{names[start]}", chain))
-        held += [(seq, name) for name in names[start:i]]
-    if held:
-        _hold(seq, steps, _chained_sequential_forward, held)
-
-
-def _note_unchained(seq: nn.Sequential, names: list, start: int, stages: int, prefix: str,
-                    report: ConversionReport) -> None:
-    """Say why a conv -> BatchNorm pair at `start` stays unfused (nothing when no BatchNorm follows a conv)."""
-    if stages:
-        report.unchained.append((f"{prefix}{names[start]}", f"a run of {stages} stage (fused runs have "
-                                                             f"{MIN_RUN_STAGES} or more: one measured slower)"))
-        return
-    conv = seq._modules[names[start]]
-    after = seq._modules[names[start + 1]] if start + 1 < len(names) else None
-    if isinstance(conv, nn.Conv2d) and isinstance(after, nn.modules.batchnorm._BatchNorm):
-        report.unchained.append((f"{prefix}{names[start]}", _why_not_stage(conv, after)))
-
-
-def _hold(seq: nn.Sequential, steps: list, forward, held: list) -> None:
-    """`seq` runs `steps` (module names and fused nodes) through `forward` while the modules at `held`
-    (its (seq, name) places of the nodes' modules) stay; every node reports when one moved."""
-    seq._cudnn_graphs_steps = tuple(steps)
-    places_ = places(held)
-    for step in steps:
-        if not isinstance(step, str):
-            step.held = places_
-    seq.forward = _Forward(forward, seq, places_)
-
-
-def _chained_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if not self.training or not _chains_run():
-        return nn.Sequential.forward(self, x)
-    for step in self._cudnn_graphs_steps:
-        x = step(x) if isinstance(step, Chain) else self._modules[step](x)
-    return x
-
-
-
-# -- eval: BatchNorm -> ReLU -> conv (pre-activation networks) as the conv's prologue ---------------------
-
-def _pre_activations(model: nn.Module, report: ConversionReport) -> None:
-    for name, module in list(model.named_modules()):
-        prefix = f"{name}." if name else ""
-        if _dense_layer(module):
-            _pre_activate_dense_layer(module, prefix, report)
-        elif type(module).forward is nn.Sequential.forward and "forward" not in vars(module):
-            _pre_activate_sequential(module, prefix, report)
-
-
-def _site(bn: nn.Module, relu: nn.Module, conv_name: str, conv: nn.Module,
-          report: ConversionReport) -> PreActivation | None:
-    why = why_not_site(bn, relu, conv)
-    if why is not None:
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and isinstance(conv, nn.modules.conv._ConvNd):
-            report.no_prologue.append((conv_name, why))
-        return None
-    site = PreActivation(bn, relu, conv)
-    report.prologues.append((conv_name, site))
-    return site
-
-
-def _pre_activate_sequential(seq: nn.Sequential, prefix: str, report: ConversionReport) -> None:
-    """BatchNorm2d, ReLU, Conv2d slots in a row (torchvision's DenseNet transition, pre-activation blocks)."""
-    names, steps, i, held = list(seq._modules), [], 0, []
-    while i < len(names):
-        if i + 2 < len(names) and type(seq._modules[names[i + 1]]) is nn.ReLU:
-            bn, relu, conv = (seq._modules[n] for n in names[i:i + 3])
-            site = _site(bn, relu, prefix + names[i + 2], conv, report)
-            if site is not None:
-                steps.append(site)
-                held += [(seq, name) for name in names[i:i + 3]]
-                i += 3
-                continue
-        steps.append(names[i])
-        i += 1
-    if held:
-        _hold(seq, steps, _pre_activated_sequential_forward, held)
-
-
-def _pre_activated_sequential_forward(self, x: torch.Tensor) -> torch.Tensor:
-    for step in self._cudnn_graphs_steps:
-        x = step(x) if isinstance(step, PreActivation) else self._modules[step](x)
-    return x
-
-
-_DENSE_PARTS = ("norm1", "relu1", "conv1", "norm2", "relu2", "conv2", "drop_rate", "memory_efficient")
-
-
-def _dense_layer(module: nn.Module) -> bool:
-    """torchvision's DenseNet layer, recognised by its parts (no torchvision import)."""
-    return type(module).__name__ == "_DenseLayer" and all(hasattr(module, p) for p in _DENSE_PARTS) \
-        and "forward" not in vars(module)
-
-
-def _pre_activate_dense_layer(layer: nn.Module, prefix: str, report: ConversionReport) -> None:
-    sites = [_site(getattr(layer, f"norm{i}"), getattr(layer, f"relu{i}"), f"{prefix}conv{i}",
-                   getattr(layer, f"conv{i}"), report) for i in (1, 2)]
-    if all(s is not None for s in sites):
-        layer._cudnn_graphs_sites = tuple(sites)
-        held = places((layer, f"{kind}{i}") for i in (1, 2) for kind in ("norm", "relu", "conv"))
-        for site in sites:
-            site.held = held
-        layer.forward = _Forward(_pre_activated_dense_forward, layer, held)
-    else:  # its own forward calls every module: a site made for one half would never be called
-        report.prologues = [(w, s) for w, s in report.prologues if s not in sites]
-
-
-def _pre_activated_dense_forward(self, input):
-    """torchvision's _DenseLayer.forward, its two BatchNorm -> ReLU -> conv halves PreActivation sites (each
-    runs its modules where it cannot fuse); memory-efficient checkpointing where a gradient is wanted."""
-    prev = [input] if isinstance(input, torch.Tensor) else input
-    if self.memory_efficient and torch.is_grad_enabled() and any(t.requires_grad for t in prev):
-        return type(self).forward(self, input)
-    first, second = self._cudnn_graphs_sites
-    out = second(first(torch.cat(prev, 1)))
-    if self.drop_rate > 0:
-        out = torch.nn.functional.dropout(out, p=self.drop_rate, training=self.training)
+    visit(model, "")
     return out
 
+
+def _fusable_inside(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in module.modules())
+
+
+def _rewrite(module: nn.Module, name: str, rules: list, leaves: set, report: ConversionReport, names: dict,
+             declined: dict, tag: str) -> None:
+    try:
+        view = View(module, name, trace(module, leaves, tag))
+        found = _matches(view, rules, declined)
+        if not found:
+            return
+        # trace again with every module no match reaches kept a call: the rewritten forward then calls
+        # them (their hooks fire, a replacement is seen) and only the matched code is inlined
+        involved = traced_modules(view, [n for f in found for n in f.nodes])
+        keep = leaves | {id(m) for m in module.modules() if m is not module and m not in involved}
+        view = View(module, name, trace(module, keep, tag))
+    except TraceFailed as err:
+        report.untraced.append((name or type(module).__name__, str(err)))
+        return
+    found = _matches(view, rules, declined)
+    nodes = [f.rule.install(f, view) for f in found]  # before any rewrite: each copies its own nodes
+    traced = traced_modules(view, view.graph.nodes)  # the matched nodes' modules too: their hooks count
+    now: dict = {}  # a match's output node -> the call that replaced it (a later match's input)
+    for i, (f, node) in enumerate(zip(found, nodes)):
+        attr = f"_cudnn_graphs_{tag}_{f.rule.name}_{i}"
+        setattr(module, attr, node)
+        now[f.output] = _replace_nodes(view.graph, f, attr, tuple(now.get(a, a) for a in f.rule.call_args(f)))
+        _report(report, f, node, names)
+        for n in f.nodes if f.rule.name == "conv_bn_run" else ():  # a pair declined in a smaller trace
+            if n.op == "call_module":
+                declined.pop(("conv_bn_run", view.qualified(n.target)), None)
+    install(module, view.graph, traced, tag)
+    report.rewritten.append(f"{name or type(module).__name__} ({tag})")
+
+
+def _matches(view: View, rules: list, declined: dict) -> list:
+    """Each rule's candidates that it takes, none sharing a node (earlier rules first)."""
+    taken: list = []
+    view.claimed = set()
+    for rule in rules:
+        for f in rule.match(view):
+            why = rule.why_not(f, view)
+            if why is not None:
+                if rule.name != "conv_bn_run":  # its pairs are reported once each, below
+                    declined.setdefault((rule.name, f.where), why)
+            elif not view.claimed.intersection(f.nodes):
+                view.claimed.update(f.nodes)
+                taken.append(f)
+    if "conv_bn_run" in {r.name for r in rules}:
+        runs = {n for f in taken if f.rule.name == "conv_bn_run" for n in f.nodes}
+        for where, why in unpaired(view, runs):
+            declined.setdefault(("conv_bn_run", where), why)
+    return taken
+
+
+def _replace_nodes(graph, found, attr: str, args: tuple) -> None:
+    """The found nodes become one call of `attr` (a fused node held on the module)."""
+    with graph.inserting_after(found.output):
+        new = graph.call_module(attr, args)
+    found.output.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    for node in reversed(found.nodes):
+        graph.erase_node(node)
+    return new
+
+
+def _report(report: ConversionReport, found, node, names: dict) -> None:
+    rule = found.rule.name
+    if (found.where, "fused") in report.rules.get(rule, ()):
+        return  # the same site in the other mode's trace
+    report.rules.setdefault(rule, []).append((found.where, "fused"))
+    if rule == "conv_bn_run":
+        report.chains.append((found.where, node))
+    elif rule == "preact":
+        report.prologues.append((found.where, node))
+    elif rule == "fold_bn":
+        fold = found.data
+        if fold.bn is not None:
+            report.folded_batchnorm.append(names.get(id(fold.bn), found.where))
+            report.weights = "copied"
+        if fold.act is not None:
+            report.fused_activation.append((found.where, str(fold.act.epilogue())))
+        if fold.residual is not None:
+            report.fused_residual.append(found.where)
 
 # -- no gradient wanted: LayerNorm on our kernel, torchvision's ConvNeXt block -------------------------------
 

@@ -207,7 +207,7 @@ def layer_norm_2d_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
 
 def why_not_convnext_block(block: nn.Module) -> str | None:
     """Why `block` is not a torchvision CNBlock this module runs (checked once, at convert), or None."""
-    from ._convert import _activation_of
+    from ._activations import activation_of as _activation_of
     from ._conv import Conv2d
 
     seq = getattr(block, "block", None)
@@ -374,7 +374,7 @@ def _block_launches(x: torch.Tensor, p: tuple, fc1: nn.Linear, act: nn.Module):
     current (cuBLASLt launches on the current one), or an activation without a flat pass of ours."""
     from fallback_kernels import cublaslt
 
-    from ._convert import _activation_of
+    from ._activations import activation_of as _activation_of
 
     n, c, hh, ww = x.shape
     hidden = fc1.out_features

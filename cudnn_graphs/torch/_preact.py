@@ -50,12 +50,13 @@ class PreActivation:
         self._why: str | None = None  # why the last new geometry runs unfused
         self._captured: list = []  # operands a CUDA graph captured through this site reads: never freed
         self.held: tuple = ()  # places(...) of the modules convert found: the report tells when one moved
+        self.unfused_fn = None  # where convert matched the site on a traced graph: its operations as traced
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         launcher = self._fused(x)
         operands = None if launcher is None else self._operands()
         if operands is None:
-            return self.conv(self.relu(self.bn(x)))
+            return self.conv(self.relu(self.bn(x))) if self.unfused_fn is None else self.unfused_fn(x)
         launcher, y_shape, k = launcher
         scale, shift, w = operands
         x16 = x if x.dtype == torch.float16 else x.to(torch.float16, memory_format=torch.channels_last)
@@ -80,15 +81,16 @@ class PreActivation:
 
     def __deepcopy__(self, memo: dict) -> "PreActivation":
         twin = PreActivation(*copy.deepcopy((self.bn, self.relu, self.conv), memo))
-        twin.held = copy.deepcopy(self.held, memo)
+        twin.held, twin.unfused_fn = copy.deepcopy((self.held, self.unfused_fn), memo)
         return twin
 
     def __getstate__(self) -> dict:
-        return {"modules": (self.bn, self.relu, self.conv), "held": self.held}
+        return {"modules": (self.bn, self.relu, self.conv), "held": self.held, "unfused_fn": self.unfused_fn}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(*state["modules"])
         self.held = state.get("held", ())
+        self.unfused_fn = state.get("unfused_fn")
 
     # -- per call ---------------------------------------------------------------------------------------
 
@@ -190,14 +192,15 @@ def _unsupported(site: PreActivation, x: torch.Tensor, dtype: torch.dtype) -> st
     return None
 
 
-def why_not_site(bn: nn.Module, relu: nn.Module, conv: nn.Module) -> str | None:
-    """Why modules (bn, relu, conv) in a row cannot be a PreActivation, or None (checked once, at convert)."""
+def why_not_site(bn: nn.Module, act, conv: nn.Module) -> str | None:
+    """Why a BatchNorm, an activation (`_activations.Act`) and a conv in a row cannot be a PreActivation,
+    or None (checked once, at convert)."""
     from ._conv import Conv2d
 
-    if type(bn) is not nn.BatchNorm2d:
-        return f"{type(bn).__name__} is not torch's BatchNorm2d"
-    if type(relu) is not nn.ReLU:
-        return f"{type(relu).__name__} is not a ReLU (cuDNN's prologue is relu(x * scale + shift))"
+    if not isinstance(bn, nn.BatchNorm2d) or not bn.affine and bn.running_mean is None:
+        return f"{type(bn).__name__} is not a 2-D BatchNorm with running statistics"
+    if act is None or act.name != "relu":
+        return f"{act or 'no activation'} is not a ReLU (cuDNN's prologue is relu(x * scale + shift))"
     if not isinstance(conv, Conv2d) or type(conv).forward is not Conv2d.forward or "forward" in vars(conv):
         return "the conv is not converted (see 'kept')" if isinstance(conv, nn.Conv2d) else "no Conv2d after it"
     why = why_not_plain(conv, bias="the conv has a bias (cuDNN fuses no epilogue with the prologue)")
