@@ -321,7 +321,7 @@ def test_models_ratios_and_summary_skip_what_is_missing():
                {"model": "b", "phase": "done", "train_speedup": 4.0, "graphed_speedup": float("nan"),
                 "infer_speedup": 4.0},
                {"model": "c", "phase": "train", "train_speedup": 0.25, "error": "the child exited 1"}]
-    args = type("Args", (), {"policy": "heuristic", "autotune_limit": 3, "graphs": True})
+    args = type("Args", (), {"policy": "heuristic", "autotune_limit": 3, "graphs": True, "compile": True})
     summary = models.summary(results, args, device="X", torch_version="t", complete=True)
     assert summary["train_geomean"] == pytest.approx(1.0)  # 1, 4 and 0.25: a model cut short keeps what it measured
     assert summary["graphed_geomean"] == pytest.approx(1.0) and summary["infer_geomean"] == pytest.approx(2.0)
@@ -560,3 +560,91 @@ def test_benchmarks_comparing_with_torch_interleave_through_the_harness(name):
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "interleaved" and isinstance(n.func.value, ast.Name) and n.func.value.id == "harness"]
     assert calls, f"benchmarks/{name}.py does not time through harness.interleaved"
+
+
+# --- benchmarks.models: arguments, the table, the hand-written ResNet-18 ------------------------------------------
+
+def _models_args(argv):
+    import argparse
+
+    from benchmarks import models
+
+    captured = {}
+    original = models.parse
+
+    def keep(parser, args):  # main's parser, parsed by models.parse, without running anything
+        captured["args"] = original(parser, args)
+        raise SystemExit(0)
+
+    models.parse = keep
+    try:
+        with pytest.raises(SystemExit):
+            models.main(argv)
+    finally:
+        models.parse = original
+    assert isinstance(captured["args"], argparse.Namespace)
+    return captured["args"]
+
+
+def test_models_arguments_smoke_and_defaults(monkeypatch):
+    from benchmarks import models
+
+    args = _models_args([])
+    assert args.models[:len(models.TORCHVISION)] == list(models.TORCHVISION) and models.HAND in args.models
+    assert args.compile and args.graphs and args.aa and args.plans and args.rounds == 5
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "timm" else object())
+    assert not any(m.startswith("timm:") for m in models.default_models())
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    assert [m for m in models.default_models() if m.startswith("timm:")] == list(models.TIMM)
+    smoke = _models_args(["--smoke"])
+    assert smoke.models == [models.HAND] and smoke.rounds == 2 and smoke.train_batch == 16
+    assert not smoke.aa and not smoke.plans and smoke.compile
+    picked = _models_args(["--smoke", "--models", "resnet50", "timm:resnet18", "--rounds", "3", "--aa"])
+    assert picked.models == ["resnet50", "timm:resnet18"] and picked.rounds == 3 and picked.aa
+    assert picked.steps == models.SMOKE["steps"]
+    assert not _models_args(["--no-compile"]).compile
+
+
+def test_models_table_lists_each_candidates_figures(tmp_path, capsys):
+    from benchmarks import models
+
+    result = {"model": "m", "train_ms": {"torch": 20.0, "ours": 16.0, "torch_compile": 18.0, "ours_compile": 12.0,
+                                         "torch_aa": 20.5},
+              "train_host_ms": {"torch": 15.0, "ours": 10.0}, "train_device_ms": {"torch": 9.0, "ours": 8.5},
+              "infer_ms": {"torch": 4.0, "ours": 2.0, "torch_autocast": 5.0}}
+    text = models.table([result, {"model": "n", "error": "the child exited 1"}])
+    rows = [line for line in text.splitlines() if line.startswith("| m |")]
+    assert rows[0] == "| m | torch | 20.00 | 15.00 | 9.00 | 1.00 |"
+    assert "| m | torch_compile | 18.00 | - | - | 1.11 |" in rows
+    assert "| m | ours | 16.00 | 10.00 | 8.50 | 1.25 |" in rows
+    assert "| m | ours_compile | 12.00 | - | - | 1.50 |" in rows  # against torch_compile
+    assert not any("torch_aa" in row or "graphed" in row for row in rows)  # not run: no row
+    assert "torch_autocast 5.00" in rows[-1] and "| n | error | the child exited 1 |" in text
+    stored = tmp_path / "models.json"
+    stored.write_text(json.dumps({"models": [result]}))
+    assert models.main(["--table-from", str(stored)]) == 0
+    assert "| m | ours | 16.00 |" in capsys.readouterr().out
+
+
+def test_the_hand_written_resnet18_is_torchvisions_network():
+    """Same parameters by name and shape as torchvision's resnet18 (CPU, no torchvision: counted), and where
+    torchvision imports, the same output from the same state_dict."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import models
+
+    torch.manual_seed(0)
+    net = models.hand_resnet18().eval()
+    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    assert sum(v.numel() for v in net.parameters()) == 11_689_512  # torchvision resnet18's count
+    assert shapes["layer2.0.downsample.0.weight"] == (128, 64, 1, 1) and shapes["fc.weight"] == (1000, 512)
+    assert not any(type(m).__module__.startswith("torchvision") for m in net.modules())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        got = net(x)
+    assert got.shape == (2, 1000) and torch.isfinite(got).all()
+    tv = pytest.importorskip("torchvision")
+    reference = tv.models.resnet18(weights=None).eval()
+    reference.load_state_dict(net.state_dict())  # strict: every name and shape the same
+    with torch.no_grad():
+        want = reference(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
