@@ -146,15 +146,16 @@ def resnet50_step(*, batch: int, rounds: int, policy: str | None = None) -> dict
         fn()
         return [harness.wall_ms(fn), harness.wall_ms(fn)]
 
-    def device(fn) -> float:  # the queue filled ahead of the timed span: kernels alone
-        return harness.device_ms(fn, calls=1, sleep_cycles=int(5e8))
-
+    device = harness.DeviceTime(calls=1, sleep_cycles=int(5e8))  # the queue filled ahead: kernels alone
     for fn in (ours, theirs):
         for _ in range(3):
             fn()
-    medians = harness.interleaved({"ours": ours, "torch": theirs}, {"wall": steady, "device": device},
-                                  rounds=rounds, by="candidate")
+    candidates = {"ours": ours, "torch": theirs}
+    medians = harness.interleaved(candidates, {"wall": steady, "device": device}, rounds=rounds, by="candidate")
     out = {**medians["wall"], **{f"{side}_device": v for side, v in medians["device"].items()}}
+    # a device figure above its own wall time, or from host-bound blocks, is no device time alone: flagged
+    out["device_flags"] = {side: {**flags, "above_wall": harness.above_wall(out[f"{side}_device"], out[side])}
+                           for side, flags in device.flags(candidates).items()}
     out["speedup"] = out["torch"] / out["ours"]
     out["convs"] = len(layers)
     from cudnn_graphs.plan import default_session

@@ -18,8 +18,8 @@ Every rank builds the candidates from the same seed and trains each on the same 
 --data-batches random batches per rank, cycled), --warmup steps first (plans built and autotuned, DDP's
 buckets rebuilt in the second; 11 by default: DDP's runtime statistics synchronise the host on the
 previous step's CUDA events at the start of its forwards 2 to 11, and of every 100th), then --rounds
-rounds of one block of --steps steps per candidate, a barrier before each block; rank 0 times each
-block with CUDA events. Every candidate runs the same steps from the same initialisation, so the losses
+rounds of one block of --steps steps per candidate (`harness.interleaved`: each round starts one candidate
+later), a barrier before each block; rank 0 times each block with CUDA events. Every candidate runs the same steps from the same initialisation, so the losses
 compare: the first step's, and rank 0's at the end of each block. Rank 0 prints one JSON line after the
 setup, after each round and at the end (the medians, the ratios torch / ours), and rewrites --out as it
 goes.
@@ -264,18 +264,28 @@ def worker(args) -> int:
     ms: dict[str, list[float]] = {k: [] for k in steps}
     block_losses: dict[str, list[float]] = {k: [] for k in steps}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(args.rounds):
-        for k, step in steps.items():
-            dist.barrier(device_ids=[local])
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(args.steps):
-                loss = step()
-            end.record()
-            end.synchronize()
-            ms[k].append(start.elapsed_time(end) / args.steps)
-            block_losses[k].append(float(loss.detach()))
-        report("round", round=r, round_ms={k: v[-1] for k, v in ms.items()}, ms_blocks=ms, losses=block_losses)
+    names = {step: k for k, step in steps.items()}
+
+    def block(step) -> float:
+        """One block of --steps steps after a barrier, rank 0's CUDA events around it; the round is reported
+        after its last candidate."""
+        dist.barrier(device_ids=[local])
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.steps):
+            loss = step()
+        end.record()
+        end.synchronize()
+        k = names[step]
+        ms[k].append(start.elapsed_time(end) / args.steps)
+        block_losses[k].append(float(loss.detach()))
+        if all(len(v) == len(ms[k]) for v in ms.values()):
+            report("round", round=len(ms[k]) - 1, round_ms={c: v[-1] for c, v in ms.items()}, ms_blocks=ms,
+                   losses=block_losses)
+        return ms[k][-1]
+
+    # the candidates alternate round by round, each round starting one later (every rank in the same order)
+    harness.interleaved(steps, {"ms": block}, rounds=args.rounds)
 
     # the last losses averaged over the ranks too: each rank's shard differs
     last = torch.tensor([block_losses[k][-1] for k in steps], device=device)

@@ -7,9 +7,11 @@ For each shape (M, K, N), x [M, K], nn.Linear weight w [N, K], bias [N]: torch's
 (gemm_bias_act_backward with b = w.T, for several `chunks`), and two bare GEMMs of the same shapes
 (dA = g @ w and dW = g.T @ x with torch.matmul, and the same two through our cuBLAS path).
 
-gpu_ms: median over reps of CUDA-event time per call, `inner` calls per sample, queued behind a GPU sleep
-so host launch overhead is hidden (kernel time). e2e_ms: one call per sample, nothing queued ahead
-(includes host overhead when the host is the bottleneck). host_us: CPU time to issue one call.
+Every candidate of a shape runs in the same interleaved rounds (`harness.interleaved`), medians:
+gpu_ms: CUDA-event time per call, `inner` calls a sample and one sample a round (--reps rounds), queued
+behind a GPU sleep so host launch overhead is hidden (kernel time; `host_bound_blocks` counts samples whose
+sleep ended first). e2e_ms: one call from an idle GPU (includes host overhead when the host is the
+bottleneck). host_us: CPU time to issue one call (HOST_ROUNDS rounds).
 """
 
 from __future__ import annotations
@@ -33,19 +35,33 @@ VARIANTS = (("default", None, None), ("c2", 2, None))
 SLEEP_CYCLES = 8_000_000  # ~4 ms at ~1.9 GHz: longer than the host needs to queue `inner` calls
 
 
-def gpu_ms(fn, *, reps: int, inner: int) -> float:
-    """Kernel time: median ms per call of `reps` samples of `inner` calls queued behind a GPU sleep."""
-    return harness.device_ms(fn, calls=inner, rounds=reps, sleep_cycles=SLEEP_CYCLES, warmup=3)
-
-
-def e2e_ms(fn, *, reps: int) -> float:
-    """One call from an idle GPU, host overhead included where the host is the bottleneck."""
-    return harness.latency_ms(fn, reps=reps)
+HOST_ROUNDS = 5
 
 
 def host_us(fn, *, calls: int = 50) -> float:
     """CPU time to issue one call, the GPU busy (launches only queue, nothing blocks)."""
     return harness.host_us(fn, calls=calls, sleep_cycles=SLEEP_CYCLES * 8)
+
+
+def timed(candidates: dict, *, reps: int, inner: int) -> tuple[dict, dict, dict, dict]:
+    """({name: gpu ms}, {name: host-bound blocks}, {name: e2e ms}, {name: host us}): every candidate but
+    "ours" (the default variant's alias) in the same rounds for the kernel time; the e2e and host figures of "torch" and "ours" (and host us of
+    "ours_two_gemms") in rounds of their own, alternating too. Each candidate warmed up by 3 calls first."""
+    import torch
+
+    for fn in candidates.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    device = harness.DeviceTime(calls=inner, sleep_cycles=SLEEP_CYCLES)
+    kernels = {k: fn for k, fn in candidates.items() if k != "ours"}  # "ours" is one of the variants
+    gpu = harness.interleaved(kernels, {"gpu": device}, rounds=reps)["gpu"]
+    pair = {k: candidates[k] for k in ("torch", "ours")}
+    e2e = harness.interleaved(pair, {"e2e": lambda fn: harness.latency_ms(fn, reps=1)}, rounds=reps)["e2e"]
+    host = harness.interleaved({**pair, "ours_two_gemms": candidates["ours_two_gemms"]}, {"host": host_us},
+                               rounds=HOST_ROUNDS)["host"]
+    flags = {k: v["host_bound_blocks"] for k, v in device.flags(kernels).items()}
+    return gpu, flags, e2e, host
 
 
 def bench_shape(name, dtype, act, m, k, n, *, reps: int, inner: int) -> dict:
@@ -105,10 +121,16 @@ def bench_shape(name, dtype, act, m, k, n, *, reps: int, inner: int) -> dict:
 
     res = {"name": name, "dtype": dtype, "activation": act, "M": m, "K": k, "N": n,
            "issue_torch_ms": None, "errors_vs_torch": errors}
-    res["torch_ms"] = gpu_ms(torch_bwd, reps=reps, inner=inner)
-    res["torch_two_gemms_ms"] = gpu_ms(torch_gemms, reps=reps, inner=inner)
-    res["ours_two_gemms_ms"] = gpu_ms(ours_gemms, reps=reps, inner=inner)
-    res["ours_ms_by_variant"] = {label: gpu_ms(ours(c, prio), reps=reps, inner=inner) for label, c, prio in VARIANTS}
+    variants = {f"ours_{label}": ours(c, prio) for label, c, prio in VARIANTS}
+    candidates = {"torch": torch_bwd, "ours": variants["ours_default"], **variants, "torch_two_gemms": torch_gemms,
+                  "ours_two_gemms": ours_gemms, "fwd_torch": torch_fwd, "fwd_ours": ours_fwd,
+                  "ours_bias_only": lambda: gemm_bias_act_backward(dy, xd, wd.t(), aux, activation=act,
+                                                                   need=("bias",))}
+    gpu, res["host_bound_blocks"], e2e, host = timed(candidates, reps=reps, inner=inner)
+    res["torch_ms"] = gpu["torch"]
+    res["torch_two_gemms_ms"] = gpu["torch_two_gemms"]
+    res["ours_two_gemms_ms"] = gpu["ours_two_gemms"]
+    res["ours_ms_by_variant"] = {label: gpu[f"ours_{label}"] for label, _, _ in VARIANTS}
     best = min(res["ours_ms_by_variant"], key=res["ours_ms_by_variant"].get)
     res["best_variant"] = best
     res["ours_ms"] = res["ours_ms_by_variant"]["default"]  # the library's default chunking
@@ -126,15 +148,11 @@ def bench_shape(name, dtype, act, m, k, n, *, reps: int, inner: int) -> dict:
     res["pass_ms_estimate"] = res["ours_ms"] - res["ours_two_gemms_ms"]
     if res["pass_ms_estimate"] > 0:
         res["pass_gbps_estimate"] = pass_bytes / res["pass_ms_estimate"] / 1e6
-    res["e2e_torch_ms"] = e2e_ms(torch_bwd, reps=reps)
-    res["ours_bias_only_ms"] = gpu_ms(lambda: gemm_bias_act_backward(dy, xd, wd.t(), aux, activation=act,
-                                                                     need=("bias",)), reps=reps, inner=inner)
-    res["e2e_ours_ms"] = e2e_ms(ours(None), reps=reps)
-    res["host_us_torch"] = host_us(torch_bwd)
-    res["host_us_ours"] = host_us(ours(None))
-    res["host_us_ours_two_gemms"] = host_us(ours_gemms)
-    res["fwd_torch_ms"] = gpu_ms(torch_fwd, reps=reps, inner=inner)
-    res["fwd_ours_ms"] = gpu_ms(ours_fwd, reps=reps, inner=inner)
+    res["e2e_torch_ms"], res["e2e_ours_ms"] = e2e["torch"], e2e["ours"]
+    res["ours_bias_only_ms"] = gpu["ours_bias_only"]
+    res["host_us_torch"], res["host_us_ours"] = host["torch"], host["ours"]
+    res["host_us_ours_two_gemms"] = host["ours_two_gemms"]
+    res["fwd_torch_ms"], res["fwd_ours_ms"] = gpu["fwd_torch"], gpu["fwd_ours"]
     res["goal_ratio_1.1"] = res["ratio_vs_torch"] >= 1.1
     res["goal_overhead_10pct"] = res["overhead_vs_two_gemms"] <= 0.10
     return res

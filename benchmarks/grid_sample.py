@@ -4,11 +4,14 @@
 
 Per shape and grid kind: torch's CUDA backward (aten::grid_sampler_{2,3}d_backward, both gradients),
 ours fast and ours deterministic (the tile kernels where they apply, else atomics / a counting sort),
-bilinear / zeros / align_corners=False. Two numbers each:
+bilinear / zeros / align_corners=False. Every algorithm of a shape runs in the same interleaved rounds
+(`harness.interleaved`, --rounds 5), medians. Two numbers each:
 
-* gpu_ms: median over reps of CUDA-event time of one call, with the GPU held busy by a sleep kernel
-  while the call is enqueued, so launch gaps from host overhead are excluded (pure device time);
-* wall_ms: back-to-back calls, host included (what a training loop sees when the host is the bottleneck).
+* gpu_ms: CUDA-event time of one call (--reps calls in all, spread over the rounds), with the GPU held busy
+  by a sleep kernel while the call is enqueued, so launch gaps from host overhead are excluded (pure device
+  time; `host_bound_blocks` counts the calls whose sleep ended first);
+* wall_ms: --reps back-to-back calls a round, host included (what a training loop sees when the host is
+  the bottleneck). A variant's knobs are set around each of its calls (a dict update, in its wall time).
 
 Inputs rotate over two fresh random sets. GB/s is against the bytes that must move: read grad_output,
 input and grid, write grad_input and grad_grid. Grids: "random" = uniform in [-1, 1] (scattered access),
@@ -86,17 +89,40 @@ def ours_backward(deterministic):
     return fn
 
 
-def time_gpu(fn, sets, reps):
-    """Median device ms of one call: a ~1 ms sleep keeps the GPU busy while the call is enqueued; the input
-    sets rotate."""
+def rotating(fn, sets):
+    """A call of `fn` on the next of the input `sets` (they rotate)."""
     rotation = itertools.cycle(sets)
-    return harness.device_ms(lambda: fn(next(rotation)), calls=1, rounds=reps, sleep_cycles=2_000_000, warmup=5)
+    return lambda: fn(next(rotation))
 
 
-def time_wall(fn, sets, reps):
-    """Back-to-back calls, host overhead included; median of 5 batches."""
-    rotation = itertools.cycle(sets)
-    return harness.wall_ms(lambda: fn(next(rotation)), calls=reps, rounds=5)
+def with_tuning(fn, tuning: dict):
+    """`fn` with `grid_sample.TUNING` updated by `tuning` around each call (restored after)."""
+    if not tuning:
+        return fn
+    from fallback_kernels import grid_sample as gs
+
+    def run(s):
+        saved = dict(gs.TUNING)
+        gs.TUNING.update(tuning)
+        try:
+            return fn(s)
+        finally:
+            gs.TUNING.clear()
+            gs.TUNING.update(saved)
+    return run
+
+
+def timed(calls: dict, *, reps: int, rounds: int) -> tuple[dict, dict, dict]:
+    """({name: gpu ms}, {name: wall ms}, {name: host-bound blocks}) of zero-argument `calls`, interleaved:
+    a ~1 ms sleep keeps the GPU busy while each gpu call is enqueued; each warmed up by 5 calls first."""
+    for call in calls.values():
+        for _ in range(5):
+            call()
+    device = harness.DeviceTime(calls=1, blocks=max(1, reps // rounds), sleep_cycles=2_000_000)
+    got = harness.interleaved(calls, {"gpu": device, "wall": lambda call: harness.wall_ms(call, calls=reps)},
+                              rounds=rounds)
+    flags = {k: v["host_bound_blocks"] for k, v in device.flags(calls).items()}
+    return got["gpu"], got["wall"], flags
 
 
 def f64_reference(s):
@@ -134,8 +160,6 @@ def min_bytes(s):
 def run(args):
     import torch
 
-    from fallback_kernels import grid_sample as gs
-
     results = []
     for shape in SHAPES:
         for kind in args.grids:
@@ -149,23 +173,19 @@ def run(args):
             if shape["variants"] and args.variants:
                 variants.update({"fast[go_transpose]": ({"go_transpose": True}, False),
                                  "fast[no_input_transpose]": ({"input_transpose": False}, False)})
-            runs = list(algos.items()) + [(n, ours_backward(det)) for n, (_, det) in variants.items()]
-            for name, fn in runs:
-                saved = dict(gs.TUNING)
-                gs.TUNING.update(variants.get(name, ({}, False))[0])
-                try:
-                    got = fn(sets[0])
-                    errors = [harness.rel_err(got[0], ref[0]), harness.rel_err(got[1], ref[1])]
-                    errors64 = [harness.rel_err(got[0], ref64[0]), harness.rel_err(got[1], ref64[1])]
-                    gpu = time_gpu(fn, sets, args.reps)
-                    wall = time_wall(fn, sets, args.reps)
-                    if name in ("fast", "deterministic"):
-                        entry["breakdown"][name] = breakdown(fn, sets[0])
-                finally:
-                    gs.TUNING.clear()
-                    gs.TUNING.update(saved)
-                entry["algos"][name] = dict(gpu_ms=gpu, wall_ms=wall, gbps=entry["min_mb"] / 1e3 / (gpu / 1e3),
-                                            rel_err_vs_torch=errors, rel_err_vs_f64=errors64)
+            runs = {**algos, **{n: with_tuning(ours_backward(det), tuning) for n, (tuning, det) in variants.items()}}
+            for name, fn in runs.items():
+                got = fn(sets[0])
+                entry["algos"][name] = dict(
+                    rel_err_vs_torch=[harness.rel_err(got[0], ref[0]), harness.rel_err(got[1], ref[1])],
+                    rel_err_vs_f64=[harness.rel_err(got[0], ref64[0]), harness.rel_err(got[1], ref64[1])])
+                if name in ("fast", "deterministic"):
+                    entry["breakdown"][name] = breakdown(fn, sets[0])
+            gpu, wall, flags = timed({name: rotating(fn, sets) for name, fn in runs.items()}, reps=args.reps,
+                                     rounds=args.rounds)
+            for name, figures in entry["algos"].items():
+                figures.update(gpu_ms=gpu[name], wall_ms=wall[name], gbps=entry["min_mb"] / 1e3 / (gpu[name] / 1e3),
+                               host_bound_blocks=flags[name])
             t = entry["algos"]["torch"]
             for a in entry["algos"].values():
                 a["speedup_gpu"] = t["gpu_ms"] / a["gpu_ms"]
@@ -195,6 +215,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every algorithm of a shape")
     p.add_argument("--grids", default="random,affine", type=lambda s: s.split(","))
     p.add_argument("--no-variants", dest="variants", action="store_false", help="skip the fast path's knobs")
     args = p.parse_args(argv)
@@ -205,7 +226,7 @@ def main(argv=None):
     print(f"device: {props.name}  torch {torch.__version__}  cupy {cupy.__version__}")
     t0 = time.time()
     results = run(args)
-    doc = dict(device=props.name, torch=torch.__version__, cupy=cupy.__version__, reps=args.reps,
+    doc = dict(device=props.name, torch=torch.__version__, cupy=cupy.__version__, reps=args.reps, rounds=args.rounds,
                mode="bilinear", padding_mode="zeros", align_corners=False, seconds=time.time() - t0,
                results=results)
     if args.out:

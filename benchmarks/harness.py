@@ -6,8 +6,10 @@ Timing (GPU; torch is imported only inside the functions, so this module imports
   for the device (what a training loop's host spends on a call);
 - `latency_ms`: one call from an idle GPU, CUDA events around it (what a step sees when the host cannot
   run ahead);
-- `device_ms` / `device_samples`: blocks of back-to-back calls between CUDA events, queued behind a sleep
-  so launch gaps do not count (device time alone); with `sleep_cycles=0`, launch gaps included;
+- `device_ms` / `device_samples` / `DeviceTime`: blocks of back-to-back calls between CUDA events, queued
+  behind a sleep so launch gaps do not count (device time alone); with `sleep_cycles=0`, launch gaps
+  included; a block queued after its sleep ended is host-bound, and the figure keeps that count
+  (`DeviceMs.host_bound`, `DeviceTime.flags`; `above_wall` flags a device figure above its wall time);
 - `wall_ms`: host wall time of back-to-back calls, synchronised before and after;
 - `behind_sleep`: the host time of one step with ~1 s of GPU work queued, and whether it waited for it;
 - `kernel_us`: torch.profiler's CUDA kernels of some calls, device us per call by kernel name.
@@ -16,7 +18,8 @@ Rounds: `interleaved` alternates candidates (ours, torch's ...) round by round a
 both see the same host; hosts drift by 20-50 % between runs, so compare within a run.
 Checks: `rel_err` against a float64 reference, `poisoned_like` / `spec_buffers` for outputs that must be
 written (NaN until then). Children a benchmark starts: `die_with_parent`. Output: `write_json` (with
-`metadata()`: device, torch, cuDNN, versions) and `png` / `bar_chart` (matplotlib optional: without it a
+`metadata()`: commit and dirty flag, source digest, device, driver, torch, cuDNN, frontend and library versions,
+command line, date; one run of one command a file) and `png` / `bar_chart` (matplotlib optional: without it a
 one-line note and no PNG).
 """
 
@@ -133,10 +136,54 @@ def device_samples(fn: Callable, *, calls: int, rounds: int, sleep_cycles: int =
     return samples, host_bound
 
 
+class DeviceMs(float):
+    """A device-time figure in ms that keeps how it was taken: `host_bound` of its `blocks` were queued after
+    their sleep had ended, so launch gaps count in them (the host, not the device, set their pace)."""
+
+    def __new__(cls, ms: float, *, host_bound: int = 0, blocks: int = 0):
+        figure = super().__new__(cls, ms)
+        figure.host_bound, figure.blocks = host_bound, blocks
+        return figure
+
+    def record(self) -> dict:
+        """The figure for a results file: {"ms", "host_bound_blocks", "blocks"}."""
+        return {"ms": float(self), "host_bound_blocks": self.host_bound, "blocks": self.blocks}
+
+
 def device_ms(fn: Callable, *, calls: int, rounds: int = 1, sleep_cycles: int = SLEEP_DEVICE,
-              warmup: int = 0) -> float:
-    """Median of `device_samples`: back-to-back device ms per call."""
-    return median(device_samples(fn, calls=calls, rounds=rounds, sleep_cycles=sleep_cycles, warmup=warmup)[0])
+              warmup: int = 0) -> DeviceMs:
+    """Median of `device_samples`: back-to-back device ms per call, a `DeviceMs` that keeps how many blocks
+    were host-bound (a figure with any is not device time alone: report the flag with it)."""
+    samples, host_bound = device_samples(fn, calls=calls, rounds=rounds, sleep_cycles=sleep_cycles, warmup=warmup)
+    return DeviceMs(median(samples), host_bound=host_bound, blocks=len(samples))
+
+
+class DeviceTime:
+    """An `interleaved` measure: `device_samples` of `blocks` blocks of `calls` calls per round, keeping per
+    candidate how many blocks were host-bound (`flags`), which a median alone would drop."""
+
+    def __init__(self, *, calls: int, blocks: int = 1, sleep_cycles: int = SLEEP_DEVICE, warmup: int = 0):
+        self.calls, self.per_round, self.sleep_cycles, self.warmup = calls, blocks, sleep_cycles, warmup
+        self.host_bound: dict = {}
+        self.blocks: dict = {}
+
+    def __call__(self, fn: Callable) -> list[float]:
+        samples, host_bound = device_samples(fn, calls=self.calls, rounds=self.per_round,
+                                             sleep_cycles=self.sleep_cycles, warmup=self.warmup)
+        self.host_bound[fn] = self.host_bound.get(fn, 0) + host_bound
+        self.blocks[fn] = self.blocks.get(fn, 0) + len(samples)
+        return samples
+
+    def flags(self, candidates: dict[str, Callable]) -> dict[str, dict[str, int]]:
+        """{candidate: {"host_bound_blocks", "blocks"}}."""
+        return {name: {"host_bound_blocks": self.host_bound.get(fn, 0), "blocks": self.blocks.get(fn, 0)}
+                for name, fn in candidates.items()}
+
+
+def above_wall(device: float, wall: float) -> bool:
+    """A "device" figure above the wall time of the same work cannot be device time alone (launch gaps or a
+    host stall got in): flag it beside the figure, never drop it silently."""
+    return not (math.isnan(device) or math.isnan(wall)) and device > wall
 
 
 def wall_ms(fn: Callable, *, calls: int = 1, rounds: int = 1) -> float:
@@ -339,13 +386,104 @@ def _version(module: str) -> str | None:
         return None
 
 
+# what every results file records (`metadata()`); a stored file written before it says why it lacks them in
+# a top-level "legacy" entry instead (tests/test_benchmarks.py holds both to it)
+PROVENANCE = ("commit", "dirty", "device", "driver", "torch", "cudnn_torch", "cudnn_backend", "cudnn_frontend",
+              "cudnn_graphs", "argv", "date")
+# the code a result measures: its digest identifies it where no git is (a copy of the working tree on a GPU host)
+SOURCE_DIRS = ("cudnn_graphs", "fallback_kernels", "gpu_launch", "plan_cache", "benchmarks")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
+# where git is not there to ask, the command's caller says which commit the tree is (`BENCHMARK_COMMIT=$(git
+# rev-parse HEAD) BENCHMARK_DIRTY=$(git status --porcelain -uno | grep -q . && echo 1 || echo 0)`)
+COMMIT_VARIABLE, DIRTY_VARIABLE = "BENCHMARK_COMMIT", "BENCHMARK_DIRTY"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 over the library's and the benchmarks' source files (path and bytes, sorted; results excluded)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for folder in SOURCE_DIRS:
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in SOURCE_SUFFIXES and "results" not in path.relative_to(root).parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def revision() -> dict:
+    """{"commit", "dirty", "commit_from", "source_sha256"}: git's HEAD and whether tracked files differ from it
+    (results files aside: a run rewriting its own result is not a code change), else $BENCHMARK_COMMIT /
+    $BENCHMARK_DIRTY (commit_from "environment"), else None (commit_from None)."""
+    out = {"commit": None, "dirty": None, "commit_from": None, "source_sha256": source_digest()}
+    head = _git("rev-parse", "HEAD")
+    if head:
+        status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
+        out.update(commit=head.strip(), dirty=None if status is None else bool(status.strip()), commit_from="git")
+    elif os.environ.get(COMMIT_VARIABLE):
+        dirty = os.environ.get(DIRTY_VARIABLE)
+        out.update(commit=os.environ[COMMIT_VARIABLE], commit_from="environment",
+                   dirty=None if dirty is None else dirty not in ("", "0", "false"))
+    return out
+
+
+def driver_version() -> str | None:
+    """The NVIDIA kernel driver's version ("580.65.06"), from /proc or nvidia-smi; None without one."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+        import re
+
+        found = re.search(r"Kernel Module(?: for \w+)?\s+([\d.]+)", text)
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else None
+
+
+def _cudnn_backend() -> int | None:
+    """libcudnn's version as this library loads it (the frontend's backend), None where none loads."""
+    try:
+        if "cudnn" in sys.modules:  # the frontend's module; its backend_version loads libcudnn
+            return int(sys.modules["cudnn"].backend_version())
+        from cudnn_graphs.execute import cudnn_backend
+
+        return int(cudnn_backend.lib().cudnnGetVersion())
+    except Exception:  # noqa: BLE001 - no libcudnn here
+        return None
+
+
+def _library_version() -> str | None:
+    try:
+        from cudnn_graphs._version import __version__
+
+        return __version__
+    except ImportError:
+        return _version("cudnn-graphs")
+
+
 def metadata() -> dict:
-    """Where a result was measured: device, torch, cuDNN (torch's and the frontend's backend), the
-    library and CuPy versions, Python, the command line and the time. Works without a GPU (device None)."""
-    meta = {"device": None, "device_count": 0, "torch": None, "cuda": None, "cudnn_torch": None,
-            "cudnn_backend": None, "cudnn_frontend": _version("nvidia-cudnn-frontend"),
-            "cudnn_graphs": _version("cudnn-graphs"), "cupy": None, "python": platform.python_version(),
-            "argv": list(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    """Where and what a result measured: the commit (and whether the tree differed from it) and a digest of
+    the source, the device and its driver, torch / cuDNN (torch's and this library's) / frontend / library /
+    CuPy versions, Python, the command line and the time. Works without a GPU (device and driver None)."""
+    meta = {**revision(), "device": None, "device_count": 0, "driver": driver_version(), "torch": None,
+            "cuda": None, "cudnn_torch": None, "cudnn_backend": _cudnn_backend(),
+            "cudnn_frontend": _version("nvidia-cudnn-frontend"), "cudnn_graphs": _library_version(), "cupy": None,
+            "python": platform.python_version(), "argv": [sys.executable, *sys.argv],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         import torch
 
@@ -357,16 +495,12 @@ def metadata() -> dict:
         pass
     if "cupy" in sys.modules:
         meta["cupy"] = sys.modules["cupy"].__version__
-    if "cudnn" in sys.modules:  # the frontend's module; its backend_version loads libcudnn
-        try:
-            meta["cudnn_backend"] = sys.modules["cudnn"].backend_version()
-        except Exception:  # noqa: BLE001 - no libcudnn here
-            pass
     return meta
 
 
 def write_json(path, result: dict) -> Path:
-    """Write `result` as indented JSON with a "meta" entry (`metadata()`) first; returns the path."""
+    """Write `result` as indented JSON with a "meta" entry (`metadata()`) first; returns the path. One run of
+    one command writes one file: a result is never merged into an earlier one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": metadata(), **result}, indent=1, default=str))

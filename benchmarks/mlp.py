@@ -4,11 +4,13 @@
 
 bf16, x [tokens, 4096] -> 16384 -> 4096 (a transformer block's feed-forward). For gelu_tanh (cuBLASLt's
 GELU: the fused path, four GEMMs and no elementwise pass in the backward) against torch's
-Linear-GELU(tanh)-Linear, and exact gelu (our linear_act chain) against nn.GELU():
-* fwd_bwd latency_ms from an idle GPU (events around one forward + backward, median of 15);
-* device_ms back to back (20 steps queued behind a sleep, per step, median of 5);
+Linear-GELU(tanh)-Linear, and exact gelu (our linear_act chain) against nn.GELU(), ours and torch's in the
+same interleaved rounds (`harness.interleaved`, --rounds 5), medians:
+* fwd_bwd latency_ms from an idle GPU (events around one forward + backward, 3 a round);
+* device_ms back to back (10 steps queued behind a sleep, per step, one block a round; the blocks whose
+  sleep ended first are counted in device_host_bound_blocks);
 * host_us per forward + backward with the GPU held busy;
-* the backward alone, and the four bare GEMMs of the backward (torch.matmul, same shapes) beside it.
+* the backward alone (3 a round), and the four bare GEMMs of the backward (torch.matmul, same shapes) beside it.
 Inputs are fresh N(0, 1) data; outputs are checked against torch's once.
 """
 
@@ -21,21 +23,16 @@ from pathlib import Path
 from benchmarks import harness
 
 
-def latency_ms(fn, reps=25) -> float:
-    return round(harness.latency_ms(fn, reps=reps), 4)
+ROUNDS = 5
 
 
-def device_ms(fn, calls=20, rounds=5) -> float:
-    return round(harness.device_ms(fn, calls=calls, rounds=rounds), 4)
+def host_us(fn, calls=10) -> float:
+    """Host us per forward + backward, queued behind ~1 s of GPU sleep (longer than the host needs for
+    `calls` steps)."""
+    return harness.host_us(fn, calls=calls, sleep_cycles=int(2e9))
 
 
-def host_us(fn, calls=10, rounds=7) -> float:
-    """Host us per forward + backward, each round queued behind ~1 s of GPU sleep (longer than the host
-    needs for `calls` steps)."""
-    return round(harness.host_us(fn, calls=calls, rounds=rounds, sleep_cycles=int(2e9)), 1)
-
-
-def case(act: str, tokens: int, sizes: list[int], dtype) -> dict:
+def case(act: str, tokens: int, sizes: list[int], dtype, *, rounds: int = ROUNDS) -> dict:
     import torch
 
     from cudnn_graphs.torch import MLP
@@ -55,19 +52,21 @@ def case(act: str, tokens: int, sizes: list[int], dtype) -> dict:
     check = float((y0.double() - y1.double()).norm() / y1.double().norm())
 
     def step(model):
-        return lambda: torch.autograd.backward(model(x), dy)
-
-    def backward_only(model):
         def run():
-            y = model(x)
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            torch.autograd.backward(y, dy)
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b)
-        return lambda: harness.median(run() for _ in range(9))
+            torch.autograd.backward(model(x), dy)
+        run.model = model  # DeviceTime keys its counts by function: this says whose they are
+        return run
+
+    def backward_ms(model) -> float:
+        """One backward from an idle GPU, its forward run (untimed) just before."""
+        y = model(x)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.autograd.backward(y, dy)
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
 
     h = torch.randn(tokens, sizes[1], device="cuda", dtype=dtype)
     w1, w2 = ours.layers[0].weight, ours.layers[1].weight
@@ -79,10 +78,17 @@ def case(act: str, tokens: int, sizes: list[int], dtype) -> dict:
         torch.matmul(g, w1)
 
     out = {"check_rel_err_vs_torch": check}
-    for name, model in (("ours", ours), ("torch", theirs)):
-        out[name] = {"latency_ms": latency_ms(step(model), reps=15), "device_ms": device_ms(step(model), calls=10),
-                     "host_us": host_us(step(model)), "backward_ms": round(backward_only(model)(), 4)}
-    out["bare_gemms_ms"] = device_ms(bare, calls=10)
+    models = {"ours": ours, "torch": theirs}
+    device = harness.DeviceTime(calls=10)
+    got = harness.interleaved(models, {"latency_ms": lambda m: harness.latency_ms(step(m), reps=3),
+                                       "device_ms": lambda m: device(step(m)),
+                                       "host_us": lambda m: host_us(step(m)),
+                                       "backward_ms": lambda m: [backward_ms(m) for _ in range(3)]}, rounds=rounds)
+    for name in models:
+        out[name] = {figure: round(got[figure][name], 4) for figure in got}
+        out[name]["device_host_bound_blocks"] = sum(n for fn, n in device.host_bound.items()
+                                                    if getattr(fn, "model", None) is models[name])
+    out["bare_gemms_ms"] = round(harness.device_ms(bare, calls=10, rounds=rounds), 4)
     out["speedup_latency"] = round(out["torch"]["latency_ms"] / out["ours"]["latency_ms"], 3)
     out["speedup_device"] = round(out["torch"]["device_ms"] / out["ours"]["device_ms"], 3)
     out["backward_over_bare"] = round(out["ours"]["backward_ms"] / out["bare_gemms_ms"], 3)
@@ -95,13 +101,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384, 4096])
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds of ours and torch's")
     args = p.parse_args(argv)
     import torch
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
-              "sizes": args.sizes, "dtype": "bfloat16"}
+              "sizes": args.sizes, "dtype": "bfloat16", "rounds": args.rounds}
     for act in ("gelu_tanh", "gelu"):
-        result[act] = case(act, args.tokens, args.sizes, torch.bfloat16)
+        result[act] = case(act, args.tokens, args.sizes, torch.bfloat16, rounds=args.rounds)
     if args.out:
         harness.write_json(args.out, result)
     return 0

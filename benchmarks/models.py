@@ -1,7 +1,16 @@
-"""Benchmark (GPU host): torchvision networks with `cudnn_graphs.torch.convert` against torch, one run.
+"""Benchmark (GPU host): torchvision, timm and hand-written networks with `cudnn_graphs.torch.convert` against torch, one run.
 
-    python -m benchmarks.models --out models.json [--models resnet50 ...] [--no-graphs] [--compile] [--plot models.png]
+    python -m benchmarks.models --out models.json [--models resnet50 timm:convnext_tiny resnet18_hand ...]
+                                [--no-graphs] [--no-compile] [--plot models.png]
+    python -m benchmarks.models --smoke --out smoke.json      # a short GPU check: resnet18_hand, small batches
     python -m benchmarks.models --plot-from models.json [--plot models.png]   # redraw, no GPU
+    python -m benchmarks.models --table-from models.json      # the per-model table, no GPU
+
+Models: a torchvision constructor name (`resnet50`), `timm:<name>` (`timm.create_model(name, pretrained=False)`;
+the timm defaults are listed when timm imports), or `resnet18_hand`: a ResNet-18 written here with plain
+modules (conv -> bn -> `F.relu` in `forward`, the residual added, relu functional; torchvision's parameter
+names, none of its classes), the way users write their own networks. Every run of one command writes one
+results file (`--out`, rewritten after each model) with the harness's provenance.
 
 Each model runs in a fresh child process (the same command with `--one NAME`), so CUDA graphs' memory pools,
 the profiler and a failure stay with that model. The child prints its result so far as one JSON line as
@@ -24,9 +33,11 @@ ours plans a geometry first seen with the autotune policy and keeps it in the pl
                    stream (num_warmup_iters=3), a static input of its own that each batch is copied into;
     ours_graphed   `cudnn_graphs.torch.capture(convert(model), (x,))` under
                    `torch.autocast("cuda", dtype=torch.float16)` (which does all of that itself);
-    torch_compile  with --compile, `torch.compile(model)`.
+    torch_compile  `torch.compile(model)` (--no-compile drops both compiled candidates);
+    ours_compile   `torch.compile(convert(model))`.
   Loss, backward and SGD run outside the graphs on both sides, as `capture` leaves them; `--no-graphs`
-  drops the two graphed candidates. Per candidate and step:
+  drops the two graphed candidates. A candidate that fails to build or in its warm-up steps is left out,
+  its error in `errors`. Per candidate and step:
     wall ms (the main number): CUDA events around blocks of --steps steps, no sleep ahead, medians;
     host ms: one step queued behind a sleep kernel, so the host never waits for the GPU (a sample whose
       sleep was over before the host had queued the whole step is dropped: the host waited for the GPU,
@@ -34,10 +45,13 @@ ours plans a geometry first seen with the autotune policy and keeps it in the pl
     device ms, two ways: `train_device_ms`, the profiler's kernel sum (`harness.kernel_us`, 3 steps;
       taken last, after inference and the loss curves, as the profiler can leave CUPTI attached), and
       `train_device_events_ms`, CUDA events around the step behind that sleep (no launch gaps).
-  `train_ratios`: torch / ours of each figure, eager (torch vs ours) and graphed (torch_graphed vs
-  ours_graphed); the summary's `ratio_geomeans` are their geo-means over the models.
-- infer: ms per forward at --infer-batch under no_grad, ours `convert(model.eval(), inference=True)`
-  (BatchNorm folded, epilogues fused) against torch eager (and compiled).
+  `train_ratios`: torch / ours of each figure, eager (torch vs ours), graphed (torch_graphed vs
+  ours_graphed) and compiled (torch_compile vs ours_compile); the summary's `ratio_geomeans` are their
+  geo-means over the models.
+- infer: ms per forward at --infer-batch under no_grad, interleaved: the model in float16 (`.half()`),
+  torch against ours `convert(model.eval(), inference=True)` (BatchNorm folded, epilogues fused), each also
+  compiled (`torch_compile`, `ours_compile`); and float32 weights under `torch.autocast(float16)`
+  (`torch_autocast`, `ours_autocast`), as mixed-precision serving runs them.
 - losses: --loss-steps training steps from one initialisation on fixed random batches, both losses.
 The float32 check and the loss curves run with `cudnn.benchmark` off (correctness only; no autotuning of
 their geometries). Plans are built (or loaded) before timing: the first iteration is
@@ -60,13 +74,86 @@ from pathlib import Path
 
 from benchmarks import harness
 
-MODELS = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_800mf")
+TORCHVISION = ("resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "regnet_y_800mf")
+TIMM = ("timm:resnet50", "timm:efficientnet_b0", "timm:convnext_tiny", "timm:mobilenetv3_large_100", "timm:resnet18")
+HAND = "resnet18_hand"
+SMOKE = {"models": [HAND], "train_batch": 16, "infer_batch": 8, "rounds": 2, "steps": 2, "loss_steps": 2,
+         "model_timeout": 420.0}
 # the pairs each ratio compares (torch's side first) and the figures compared
 PAIRS = {"eager": ("torch", "ours"), "graphed": ("torch_graphed", "ours_graphed"), "plans": ("torch", "ours_plans"),
-         "aa": ("torch", "torch_aa")}
+         "aa": ("torch", "torch_aa"), "compile": ("torch_compile", "ours_compile")}
+INFER_PAIRS = {"half": ("torch", "ours"), "compile": ("torch_compile", "ours_compile"),
+               "autocast": ("torch_autocast", "ours_autocast")}
+TABLE_CANDIDATES = ("torch", "torch_graphed", "torch_compile", "ours", "ours_graphed", "ours_compile")
 FIGURES = {"wall": "train_ms", "host": "train_host_ms", "device": "train_device_ms",
            "device_events": "train_device_events_ms"}
 PROFILED_STEPS = 3
+
+
+def default_models() -> list[str]:
+    """torchvision's five, the hand-written ResNet-18, and timm's five where timm imports."""
+    import importlib.util
+
+    return [*TORCHVISION, HAND, *(TIMM if importlib.util.find_spec("timm") else ())]
+
+
+def hand_resnet18(num_classes: int = 1000):
+    """A ResNet-18 as a user writes one: plain nn.Conv2d / nn.BatchNorm2d / nn.Linear modules, `F.relu` called
+    in each `forward`, the residual added by hand; torchvision's parameter names (a torchvision resnet18
+    loads its state_dict), none of its classes."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.bn1 = nn.BatchNorm2d(cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(cout)
+            self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                               if stride != 1 or cin != cout else None)
+
+        def forward(self, x):
+            out = F.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+    class ResNet18(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+            self.bn1 = nn.BatchNorm2d(64)
+            widths = (64, 128, 256, 512)
+            for i, width in enumerate(widths):
+                cin = widths[max(i - 1, 0)]
+                setattr(self, f"layer{i + 1}", nn.Sequential(Block(cin, width, 1 if i == 0 else 2),
+                                                             Block(width, width, 1)))
+            self.fc = nn.Linear(512, num_classes)
+            for m in self.modules():  # torchvision's initialisation, so the two train alike
+                if isinstance(m, nn.Conv2d):
+                    nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+            x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    return ResNet18()
+
+
+def build(name: str):
+    """The model `name` names (see the module's docstring), randomly initialised."""
+    if name == HAND:
+        return hand_resnet18()
+    if name.startswith("timm:"):
+        import timm
+
+        return timm.create_model(name.removeprefix("timm:"), pretrained=False)
+    import torchvision
+
+    return getattr(torchvision.models, name)(weights=None)
 
 
 def alternate(steps_by_name: dict, *, rounds: int, steps: int) -> dict[str, float]:
@@ -165,15 +252,31 @@ def _error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"[:1000]
 
 
+def warmed(steps: dict, errors: dict, *, calls: int = 3) -> dict:
+    """`steps` less those that raise in `calls` warm-up calls (plans built, kernels loaded, autotuned by
+    torch, compiled, SGD's state), their errors kept in `errors`."""
+    import torch
+
+    kept = {}
+    for key, step in steps.items():
+        try:
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+            kept[key] = step
+        except Exception as err:  # noqa: BLE001 - reported; the other candidates still run
+            errors[key] = _error(err)
+    return kept
+
+
 def bench_model(name: str, args) -> dict:
     import torch
-    import torchvision
 
     import cudnn_graphs.torch as cgt
 
     cl = torch.channels_last
     torch.manual_seed(0)
-    base = getattr(torchvision.models, name)(weights=None).cuda().to(memory_format=cl)
+    base = build(name).cuda().to(memory_format=cl)
     out: dict = {"model": name, "device": torch.cuda.get_device_name(), "errors": {}}
     t0 = time.perf_counter()
 
@@ -194,12 +297,13 @@ def bench_model(name: str, args) -> dict:
             except Exception as err:  # noqa: BLE001 - reported; the other candidates still run
                 out["errors"][key] = _error(err)
     if args.compile:
-        models["torch_compile"] = torch.compile(copy.deepcopy(base))
+        for key, make in (("torch_compile", lambda m: m), ("ours_compile", cgt.convert)):
+            try:
+                models[key] = torch.compile(make(copy.deepcopy(base)))
+            except Exception as err:  # noqa: BLE001 - reported; the other candidates still run
+                out["errors"][key] = _error(err)
     steps = {k: train_step(m, torch.optim.SGD(m.parameters(), lr=1e-4), x, target) for k, m in models.items()}
-    for step in steps.values():  # plans built, kernels loaded, autotuned by torch, compiled, SGD's state
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
+    steps = warmed(steps, out["errors"])
     out["setup_s"] = round(time.perf_counter() - t0, 1)
     # a sleep well past the slowest candidate's step, so each host sample is queued behind it
     out["train_sleep_ms"] = round(max(50.0, 3 * max(harness.wall_ms(s, calls=3) for s in steps.values())), 1)
@@ -209,10 +313,11 @@ def bench_model(name: str, args) -> dict:
     out["train_ms"], out["train_host_ms"] = got["wall"], got["host"]
     out["train_device_events_ms"] = {k: harness.median(behind.device.get(s, [])) for k, s in steps.items()}
     out["train_host_dropped"] = {k: behind.dropped.get(s, 0) for k, s in steps.items()}
-    out["train_speedup"] = harness.ratio(got["wall"]["torch"], got["wall"]["ours"])
+    out["train_speedup"] = harness.ratio(got["wall"].get("torch"), got["wall"].get("ours"))
+    out["compile_speedup"] = harness.ratio(got["wall"].get("torch_compile"), got["wall"].get("ours_compile"))
     out["graphed_speedup"] = harness.ratio(got["wall"].get("torch_graphed"), got["wall"].get("ours_graphed"))
-    out["plans_speedup"] = harness.ratio(got["wall"]["torch"], got["wall"].get("ours_plans"))
-    out["aa_ratio"] = harness.ratio(got["wall"]["torch"], got["wall"].get("torch_aa"))
+    out["plans_speedup"] = harness.ratio(got["wall"].get("torch"), got["wall"].get("ours_plans"))
+    out["aa_ratio"] = harness.ratio(got["wall"].get("torch"), got["wall"].get("torch_aa"))
     out["train_ratios"] = train_ratios(out)
     emit(out, "train")  # kept if a time limit cuts the rest
 
@@ -220,21 +325,27 @@ def bench_model(name: str, args) -> dict:
     eval_base = copy.deepcopy(base).eval()
     xi = torch.randn(args.infer_batch, 3, 224, 224, device="cuda").half().contiguous(memory_format=cl)
     infer_models = {"torch": copy.deepcopy(eval_base).half(),
-                    "ours": cgt.convert(copy.deepcopy(eval_base).half(), inference=True)}
+                    "ours": cgt.convert(copy.deepcopy(eval_base).half(), inference=True),
+                    # float32 weights, float16 compute under autocast: mixed-precision serving
+                    "torch_autocast": copy.deepcopy(eval_base),
+                    "ours_autocast": cgt.convert(copy.deepcopy(eval_base), inference=True)}
     if args.compile:
         infer_models["torch_compile"] = torch.compile(copy.deepcopy(eval_base).half())
+        infer_models["ours_compile"] = torch.compile(cgt.convert(copy.deepcopy(eval_base).half(), inference=True))
     report = infer_models["ours"].cudnn_graphs_report
     out["inference_fusion"] = {"folded_batchnorm": len(report.folded_batchnorm),
                                "fused_activation": len(report.fused_activation),
                                "fused_residual": len(report.fused_residual)}
 
-    def forward(model):
+    xf = xi.float()
+
+    def forward(model, autocast: bool):
         def step():
-            with torch.no_grad():
-                return model(xi)
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+                return model(xf if autocast else xi)
         return step
 
-    fwd = {k: forward(m) for k, m in infer_models.items()}
+    fwd = {k: forward(m, k.endswith("_autocast")) for k, m in infer_models.items()}
     with torch.no_grad():
         ref, got_i = infer_models["torch"](xi).double(), infer_models["ours"](xi).double()
     out["infer_finite"] = {"torch": bool(ref.isfinite().all()), "ours": bool(got_i.isfinite().all())}
@@ -242,12 +353,13 @@ def bench_model(name: str, args) -> dict:
     out["infer_rel_err_fp16"] = float((got_i - ref).norm() / ref.norm()) if ref.norm() > 0 else None
     out["infer_max_abs_err_fp16"] = float((got_i - ref).abs().max())
     out["infer_rel_err_fp32"] = _fp32_check(eval_base, xi.float())
-    for step in fwd.values():
-        for _ in range(3):
-            step()
+    with torch.no_grad():
+        fwd = warmed(fwd, out["errors"])
     infer = alternate(fwd, rounds=args.rounds, steps=args.steps)
     out["infer_ms"] = infer
-    out["infer_speedup"] = harness.ratio(infer["torch"], infer["ours"])
+    out["infer_speedup"] = harness.ratio(infer.get("torch"), infer.get("ours"))
+    out["infer_ratios"] = {pair: harness.ratio(infer.get(theirs), infer.get(ours))
+                           for pair, (theirs, ours) in INFER_PAIRS.items()}
     del fwd, infer_models
     emit(out, "infer")
 
@@ -300,6 +412,31 @@ def _fp32_check(base, x) -> float:
     finally:
         torch.backends.cudnn.allow_tf32 = saved
     return float((got - want).norm() / want.norm())
+
+
+def table(results: list[dict]) -> str:
+    """A markdown table of each model's training step, ms: wall, host (GPU held busy) and device (profiler
+    kernel sum) per candidate (torch eager / graphed / compiled, ours eager / graphed / compiled), then its
+    inference ms per candidate; '-' where not measured."""
+    def ms(value) -> str:
+        return f"{value:.2f}" if _finite(value) else "-"
+
+    lines = ["| model | candidate | wall ms | host ms | device ms | wall: torch's / this |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        wall, host, device = (r.get(key) or {} for key in ("train_ms", "train_host_ms", "train_device_ms"))
+        for c in TABLE_CANDIDATES:
+            if c in wall or c in host or c in device:
+                eager = "torch" if c.startswith("torch") else c.replace("ours", "torch", 1)
+                lines.append(f"| {r['model']} | {c} | {ms(wall.get(c))} | {ms(host.get(c))} | {ms(device.get(c))} | "
+                             f"{ms(harness.ratio(wall.get(eager), wall.get(c)))} |")
+        infer = r.get("infer_ms") or {}
+        if infer:
+            lines.append(f"| {r['model']} | inference ms | " + ", ".join(f"{k} {ms(v)}" for k, v in infer.items())
+                         + " | | | |")
+        if r.get("error"):
+            lines.append(f"| {r['model']} | error | {r['error']} | | | |")
+    return "\n".join(lines)
 
 
 def loss_curves(base, args) -> dict[str, list[float]]:
@@ -380,8 +517,9 @@ def geo(values) -> float:
 def summary(results: list[dict], args, *, device: str, torch_version: str, complete: bool) -> dict:
     return {"device": device, "torch": torch_version, "models": results, "complete": complete,
             "policy": args.policy, "autotune_limit": args.autotune_limit if args.policy == "autotune" else None,
-            "graphs": args.graphs,
+            "graphs": args.graphs, "compile": args.compile,
             "train_geomean": geo(r.get("train_speedup") for r in results),
+            "compile_geomean": geo(r.get("compile_speedup") for r in results),
             "graphed_geomean": geo(r.get("graphed_speedup") for r in results),
             "plans_geomean": geo(r.get("plans_speedup") for r in results),
             "aa_ratios": {r["model"]: r.get("aa_ratio") for r in results if "aa_ratio" in r},
@@ -430,7 +568,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path)
-    p.add_argument("--models", nargs="*", default=list(MODELS))
+    p.add_argument("--models", nargs="*", help="torchvision names, timm:<name>, resnet18_hand (default: "
+                   f"{', '.join(TORCHVISION)}, {HAND}, and where timm imports {', '.join(TIMM)})")
+    p.add_argument("--smoke", action="store_true", help="a short GPU check: " + ", ".join(
+        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}" for k, v in SMOKE.items())
+        + " (--models still picks), no A/A and no plans candidates")
     p.add_argument("--train-batch", type=int, default=64)
     p.add_argument("--infer-batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
@@ -443,7 +585,9 @@ def main(argv=None) -> int:
                    help="add ours_plans: convert(train_convs='cudnn_graphs') (default on)")
     p.add_argument("--aa", action=argparse.BooleanOptionalAction, default=True,
                    help="add torch_aa, a second copy of torch's model: the run's own noise band (default on)")
-    p.add_argument("--compile", action="store_true", help="add torch.compile columns (slow to compile)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="add torch.compile of torch's model and of the converted one, training and inference "
+                        "(default on; compiling takes a minute or more a model)")
     p.add_argument("--policy", choices=("heuristic", "autotune"), default="heuristic",
                    help="the policy of the device's default session; under cudnn.benchmark=True (set here) "
                         "the converted modules plan with the autotune policy whatever this says")
@@ -452,7 +596,12 @@ def main(argv=None) -> int:
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the child: one model, JSON lines
     p.add_argument("--plot-from", type=Path, metavar="JSON", help="only draw --plot from results written by --out "
                    "(no GPU needed)")
-    args = p.parse_args(argv)
+    p.add_argument("--table-from", type=Path, metavar="JSON", help="only print the per-model table of results "
+                   "written by --out (no GPU needed)")
+    args = parse(p, argv)
+    if args.table_from:
+        print(table(json.loads(args.table_from.read_text())["models"]))
+        return 0
     if args.plot_from:
         stored = json.loads(args.plot_from.read_text())
         plot(stored["models"], args.plot or args.plot_from.with_suffix(".png"),
@@ -460,8 +609,6 @@ def main(argv=None) -> int:
         return 0
     if args.one:
         return _child(args)
-    if not args.models:
-        p.error("--models: name at least one model")
     import torch
 
     if not torch.cuda.is_available():  # no CUDA context in the parent: the GPU is the children's
@@ -482,7 +629,27 @@ def main(argv=None) -> int:
           f"{result['graphed_geomean']:.2f}x, inference {result['infer_geomean']:.2f}x")
     if args.plot:
         plot(results, args.plot, title=f"{device}, torch {torch.__version__}: AMP fp16, channels_last")
+    print(table(results))
     return 1 if result["failed"] else 0
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser`'s arguments, --smoke's sizes applied over the defaults (not over a flag given), the default
+    model list filled in."""
+    args = parser.parse_args(argv)
+    if args.smoke:
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for key, value in SMOKE.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+        for flag in ("aa", "plans"):  # the two extra candidates stay off unless asked for
+            if not {f"--{flag}", f"--no-{flag}"} & given:
+                setattr(args, flag, False)
+    if args.models is None:
+        args.models = default_models()
+    if not args.models and not (args.plot_from or args.table_from):
+        parser.error("--models: name at least one model")
+    return args
 
 
 def _child(args) -> int:

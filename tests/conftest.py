@@ -25,6 +25,9 @@ def gpu_available() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests import gpu_levels
+
+    gpu_levels.mark(items, pytest.mark.smoke, pytest.mark.two_gpu)  # the GPU suite's levels
     reason = None
     for item in items:
         if "gpu" in item.keywords:

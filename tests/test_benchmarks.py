@@ -183,14 +183,57 @@ def test_median_ratio_geomean():
 
 def test_metadata_and_json_shape(tmp_path):
     meta = harness.metadata()
-    for key in ("device", "device_count", "torch", "cuda", "cudnn_torch", "cudnn_backend", "cudnn_frontend",
-                "cudnn_graphs", "cupy", "python", "argv", "date"):
+    for key in (*harness.PROVENANCE, "device_count", "cuda", "cupy", "python", "source_sha256", "commit_from"):
         assert key in meta, key
     json.dumps(meta)  # serialisable as it is
+    assert meta["argv"][0] == sys.executable and meta["cudnn_graphs"]  # the library's version, installed or not
+    assert len(meta["source_sha256"]) == 64
+    if (ROOT / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{40}", meta["commit"]) and isinstance(meta["dirty"], bool)
     path = harness.write_json(tmp_path / "sub" / "r.json", {"device": "X", "rows": [1, 2], "odd": Path("p")})
     data = json.loads(path.read_text())
     assert list(data)[0] == "meta" and data["rows"] == [1, 2] and data["device"] == "X" and data["odd"] == "p"
     assert harness.title(data, "what").startswith("what: X, torch ")
+
+
+def test_the_revision_comes_from_git_else_from_the_callers_variables(monkeypatch, tmp_path):
+    monkeypatch.setattr(harness, "_git", lambda *args: None)  # a copy of the tree without .git (a GPU host)
+    monkeypatch.delenv(harness.COMMIT_VARIABLE, raising=False)
+    assert harness.revision()["commit"] is None and harness.revision()["commit_from"] is None
+    monkeypatch.setenv(harness.COMMIT_VARIABLE, "abc1234")
+    monkeypatch.setenv(harness.DIRTY_VARIABLE, "0")
+    got = harness.revision()
+    assert (got["commit"], got["dirty"], got["commit_from"]) == ("abc1234", False, "environment")
+    monkeypatch.setenv(harness.DIRTY_VARIABLE, "1")
+    assert harness.revision()["dirty"] is True
+    # the source digest follows the code, not the results
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "cudnn_graphs").mkdir()
+    (tmp_path / "cudnn_graphs" / "a.py").write_text("x = 1")
+    before = harness.source_digest(tmp_path)
+    (tmp_path / "benchmarks" / "results" / "r.py").write_text("not code")
+    assert harness.source_digest(tmp_path) == before
+    (tmp_path / "cudnn_graphs" / "a.py").write_text("x = 2")
+    assert harness.source_digest(tmp_path) != before
+
+
+def _results_files() -> list[Path]:
+    return sorted((ROOT / "benchmarks" / "results").rglob("*.json"))
+
+
+@pytest.mark.parametrize("path", _results_files(), ids=lambda p: str(p.relative_to(ROOT / "benchmarks" / "results")))
+def test_every_results_file_says_what_it_measured_or_why_not(path):
+    """A results file carries its provenance (one run of one command: argv one command line), or, stored
+    before that was recorded, a "legacy" entry saying what it lacks (benchmarks/README.md, "Results")."""
+    data = json.loads(path.read_text())
+    if "legacy" in data:
+        assert isinstance(data["legacy"], str) and len(data["legacy"]) > 20, "legacy: say what is missing"
+        return
+    meta = data.get("meta") or {}
+    missing = [key for key in harness.PROVENANCE if meta.get(key) is None and key != "dirty"]
+    assert not missing, f"no {missing} in meta, and not marked legacy"
+    assert isinstance(meta["dirty"], bool), "meta.dirty: whether the tree differed from the commit"
+    assert all(isinstance(a, str) for a in meta["argv"]), "meta.argv: one command line (no merged runs)"
 
 
 def test_fresh_env(monkeypatch):
@@ -278,7 +321,7 @@ def test_models_ratios_and_summary_skip_what_is_missing():
                {"model": "b", "phase": "done", "train_speedup": 4.0, "graphed_speedup": float("nan"),
                 "infer_speedup": 4.0},
                {"model": "c", "phase": "train", "train_speedup": 0.25, "error": "the child exited 1"}]
-    args = type("Args", (), {"policy": "heuristic", "autotune_limit": 3, "graphs": True})
+    args = type("Args", (), {"policy": "heuristic", "autotune_limit": 3, "graphs": True, "compile": True})
     summary = models.summary(results, args, device="X", torch_version="t", complete=True)
     assert summary["train_geomean"] == pytest.approx(1.0)  # 1, 4 and 0.25: a model cut short keeps what it measured
     assert summary["graphed_geomean"] == pytest.approx(1.0) and summary["infer_geomean"] == pytest.approx(2.0)
@@ -418,3 +461,190 @@ def test_models_compares_the_plans_route_with_torch_eager():
     got = models.train_ratios({"train_ms": {"torch": 20.0, "ours": 16.0, "ours_plans": 25.0, "torch_aa": 21.0}})
     assert got["eager"]["wall"] == 1.25 and got["plans"]["wall"] == 0.8
     assert got["aa"]["wall"] == pytest.approx(20 / 21)  # the run's noise between identical candidates
+
+
+# --- README's headline numbers are their results files' --------------------------------------------------------
+
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)x?(?![\w.])")
+DATE = re.compile(r"^(20\d\d-\d\d-\d\d)\b")
+
+
+def _headline_rows() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Headline numbers"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    assert rows and rows[0][:3] == ["what (on one NVIDIA H100 80GB unless said)", "ours", "against"], rows[:1]
+    return rows[1:]
+
+
+def _numbers(data) -> list[float]:
+    if isinstance(data, dict):
+        return [v for value in data.values() for v in _numbers(value)]
+    if isinstance(data, list):
+        return [v for value in data for v in _numbers(value)]
+    return [float(data)] if isinstance(data, (int, float)) and not isinstance(data, bool) else []
+
+
+def _stored(figure: str, values: list[float]) -> bool:
+    """`figure` as written (its decimals) is one of `values` rounded so, in its unit or in ms / s / us."""
+    decimals = len(figure.partition(".")[2])
+    return any(round(v * scale, decimals) == float(figure) for v in values for scale in (1.0, 1e3, 1e-3))
+
+
+def test_every_readme_headline_figure_is_its_results_files():
+    """Each headline row links its results file(s); every figure in its `ours` and `against` cells (times,
+    ratios, ranges' ends) is a value stored there, as rounded; its date is the file's where the file records
+    one. A withdrawn row states no figure."""
+    bad = []
+    rows = _headline_rows()
+    assert len(rows) >= 5, "README's headline table is gone"
+    for what, ours, against, date, details in (row[:5] for row in rows):
+        name = what[:50]
+        files = re.findall(r"\]\((benchmarks/results/[^)\s]+\.json)\)", details)
+        if ours.lower().startswith("withdrawn"):
+            bad += [f"{name}: withdrawn but states {f}" for f in FIGURE.findall(ours + " " + against)]
+            continue
+        if not files:
+            bad.append(f"{name}: no results file linked")
+            continue
+        stored = [json.loads((ROOT / f).read_text()) for f in files]
+        values = [v for data in stored for v in _numbers(data)]
+        bad += [f"{name}: {figure} not in {files}" for figure in FIGURE.findall(ours + " " + against)
+                if not _stored(figure, values)]
+        dates = {(data.get("meta") or {}).get("date", "")[:10] for data in stored} - {""}
+        written = DATE.match(date)
+        if not written or (dates and written.group(1) not in dates):
+            bad.append(f"{name}: date {date!r}, the file's {sorted(dates)}")
+    assert not bad, bad
+
+
+def test_the_headline_check_catches_a_changed_figure(monkeypatch):
+    """The check above fails on a figure one digit off (it is not vacuous)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if "| ResNet-50 training step" in line)
+    figure = FIGURE.findall(row.split("|")[2])[0]
+    changed = row.replace(figure, figure[:-1] + str((int(figure[-1]) + 1) % 10), 1)
+    original = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: original(self, *a, **k).replace(row, changed)
+                        if self.name == "README.md" else original(self, *a, **k))
+    with pytest.raises(AssertionError, match="not in"):
+        test_every_readme_headline_figure_is_its_results_files()
+
+
+# --- device figures keep their host-bound flag; A/B interleaved everywhere ---------------------------------------
+
+def test_device_figures_keep_their_host_bound_blocks(monkeypatch):
+    runs = iter([([2.0, 4.0, 3.0], 1), ([5.0], 0), ([7.0], 1)])
+    monkeypatch.setattr(harness, "device_samples", lambda fn, **kw: next(runs))
+    got = harness.device_ms(lambda: None, calls=1, rounds=3)
+    assert got == 3.0 and got.host_bound == 1 and got.blocks == 3
+    assert got.record() == {"ms": 3.0, "host_bound_blocks": 1, "blocks": 3}
+    a, b = (lambda: None), (lambda: None)
+    timer = harness.DeviceTime(calls=4)
+    medians = harness.interleaved({"a": a, "b": b}, {"ms": timer}, rounds=1)["ms"]
+    assert medians == {"a": 5.0, "b": 7.0}
+    assert timer.flags({"a": a, "b": b}) == {"a": {"host_bound_blocks": 0, "blocks": 1},
+                                              "b": {"host_bound_blocks": 1, "blocks": 1}}
+    assert harness.above_wall(5.32, 4.51) and not harness.above_wall(4.0, 4.51)
+    assert not harness.above_wall(float("nan"), 1.0)
+
+
+@pytest.mark.parametrize("name", ["fallback_calls", "mlp", "gemm_act", "grid_sample", "ddp", "models", "calls",
+                                  "chains", "conv_layers", "fused_graphs"])
+def test_benchmarks_comparing_with_torch_interleave_through_the_harness(name):
+    """Ours and torch's alternate round by round through `harness.interleaved` (docs/performance.md says
+    so), not one candidate's figures taken after the other's."""
+    tree = ast.parse(_path(f"benchmarks.{name}").read_text(encoding="utf-8"))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "interleaved" and isinstance(n.func.value, ast.Name) and n.func.value.id == "harness"]
+    assert calls, f"benchmarks/{name}.py does not time through harness.interleaved"
+
+
+# --- benchmarks.models: arguments, the table, the hand-written ResNet-18 ------------------------------------------
+
+def _models_args(argv):
+    import argparse
+
+    from benchmarks import models
+
+    captured = {}
+    original = models.parse
+
+    def keep(parser, args):  # main's parser, parsed by models.parse, without running anything
+        captured["args"] = original(parser, args)
+        raise SystemExit(0)
+
+    models.parse = keep
+    try:
+        with pytest.raises(SystemExit):
+            models.main(argv)
+    finally:
+        models.parse = original
+    assert isinstance(captured["args"], argparse.Namespace)
+    return captured["args"]
+
+
+def test_models_arguments_smoke_and_defaults(monkeypatch):
+    from benchmarks import models
+
+    args = _models_args([])
+    assert args.models[:len(models.TORCHVISION)] == list(models.TORCHVISION) and models.HAND in args.models
+    assert args.compile and args.graphs and args.aa and args.plans and args.rounds == 5
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "timm" else object())
+    assert not any(m.startswith("timm:") for m in models.default_models())
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    assert [m for m in models.default_models() if m.startswith("timm:")] == list(models.TIMM)
+    smoke = _models_args(["--smoke"])
+    assert smoke.models == [models.HAND] and smoke.rounds == 2 and smoke.train_batch == 16
+    assert not smoke.aa and not smoke.plans and smoke.compile
+    picked = _models_args(["--smoke", "--models", "resnet50", "timm:resnet18", "--rounds", "3", "--aa"])
+    assert picked.models == ["resnet50", "timm:resnet18"] and picked.rounds == 3 and picked.aa
+    assert picked.steps == models.SMOKE["steps"]
+    assert not _models_args(["--no-compile"]).compile
+
+
+def test_models_table_lists_each_candidates_figures(tmp_path, capsys):
+    from benchmarks import models
+
+    result = {"model": "m", "train_ms": {"torch": 20.0, "ours": 16.0, "torch_compile": 18.0, "ours_compile": 12.0,
+                                         "torch_aa": 20.5},
+              "train_host_ms": {"torch": 15.0, "ours": 10.0}, "train_device_ms": {"torch": 9.0, "ours": 8.5},
+              "infer_ms": {"torch": 4.0, "ours": 2.0, "torch_autocast": 5.0}}
+    text = models.table([result, {"model": "n", "error": "the child exited 1"}])
+    rows = [line for line in text.splitlines() if line.startswith("| m |")]
+    assert rows[0] == "| m | torch | 20.00 | 15.00 | 9.00 | 1.00 |"
+    assert "| m | torch_compile | 18.00 | - | - | 1.11 |" in rows
+    assert "| m | ours | 16.00 | 10.00 | 8.50 | 1.25 |" in rows
+    assert "| m | ours_compile | 12.00 | - | - | 1.50 |" in rows  # against torch_compile
+    assert not any("torch_aa" in row or "graphed" in row for row in rows)  # not run: no row
+    assert "torch_autocast 5.00" in rows[-1] and "| n | error | the child exited 1 |" in text
+    stored = tmp_path / "models.json"
+    stored.write_text(json.dumps({"models": [result]}))
+    assert models.main(["--table-from", str(stored)]) == 0
+    assert "| m | ours | 16.00 |" in capsys.readouterr().out
+
+
+def test_the_hand_written_resnet18_is_torchvisions_network():
+    """Same parameters by name and shape as torchvision's resnet18 (CPU, no torchvision: counted), and where
+    torchvision imports, the same output from the same state_dict."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import models
+
+    torch.manual_seed(0)
+    net = models.hand_resnet18().eval()
+    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    assert sum(v.numel() for v in net.parameters()) == 11_689_512  # torchvision resnet18's count
+    assert shapes["layer2.0.downsample.0.weight"] == (128, 64, 1, 1) and shapes["fc.weight"] == (1000, 512)
+    assert not any(type(m).__module__.startswith("torchvision") for m in net.modules())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        got = net(x)
+    assert got.shape == (2, 1000) and torch.isfinite(got).all()
+    tv = pytest.importorskip("torchvision")
+    reference = tv.models.resnet18(weights=None).eval()
+    reference.load_state_dict(net.state_dict())  # strict: every name and shape the same
+    with torch.no_grad():
+        want = reference(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,7 +1,7 @@
 """CPU: `cudnn-graphs doctor` as a new user meets it. A bad variable fails its line, never the whole report;
 a cache root that cannot be created (under a file, in /proc or /sys, through a symlink loop) is a FAIL, not
-"the first plan creates it"; and without the `cu12` extra (a real virtual environment that sees this
-machine's packages but not the nvidia-cudnn wheel) the missing piece is named as libcudnn, not the
+"the first plan creates it"; and without the `cu12` extra (a real virtual environment of the base interpreter
+that links this machine's packages but not the nvidia-cudnn wheel) the missing piece is named as libcudnn, not the
 frontend, and `check` says once that it cannot build graphs instead of failing every valid spec."""
 
 from __future__ import annotations
@@ -79,17 +79,50 @@ def test_a_cache_root_that_can_be_created_is_ok_and_not_created(capsys, monkeypa
 
 # --- without the cu12 extra ------------------------------------------------------------------------------------
 
+# the cudnn wheels' files: nvidia/<dir> holds libcudnn, where the frontend and this library look for it
+HIDDEN_NVIDIA = ("cudnn", "cudnn_jit")
+HIDDEN_DIST = ("nvidia_cudnn_cu", "nvidia_cudnn_jit")
+
+
+def _site_dirs() -> list[str]:
+    """This interpreter's site directories, in import order (a venv's, or the system's and the user's)."""
+    return [p for p in dict.fromkeys(sys.path) if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+
+
+def _mirror_without_cudnn(sources: list[str], target: str) -> None:
+    """`target` (a site directory) links every entry of `sources` but the cudnn wheels (the first source
+    holding a name wins, as on sys.path); the `nvidia` namespace is merged and keeps its other wheels."""
+    nvidia = os.path.join(target, "nvidia")
+    for source in sources:
+        for name in os.listdir(source):
+            here, there = os.path.join(source, name), os.path.join(target, name)
+            if name.lower().startswith(HIDDEN_DIST) or name == "__pycache__":
+                continue
+            if name == "nvidia" and os.path.isdir(here):
+                os.makedirs(nvidia, exist_ok=True)
+                for sub in os.listdir(here):
+                    if sub not in HIDDEN_NVIDIA and not os.path.lexists(os.path.join(nvidia, sub)):
+                        os.symlink(os.path.join(here, sub), os.path.join(nvidia, sub))
+            elif not os.path.lexists(there):
+                os.symlink(here, there)
+
+
 @pytest.fixture(scope="module")
 def no_cu12(tmp_path_factory) -> str:
-    """A python whose site-packages lack the nvidia-cudnn wheel (it sees this machine's other packages)."""
+    """A python that has this machine's packages but not the nvidia-cudnn wheel: a venv of the base
+    interpreter (a venv made from a venv's python would inherit nothing, or with --system-site-packages
+    the base's packages only) whose site directory links every installed package but the cudnn wheels."""
     venv = tmp_path_factory.mktemp("no-cu12")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    _mirror_without_cudnn(_site_dirs(), site)
     probe = subprocess.run([python, "-c", "import cudnn\nfrom cudnn_graphs.execute import cudnn_backend\n"
                             "try:\n    cudnn_backend.lib()\nexcept Exception:\n    print('no libcudnn')"],
                            env=_env(), capture_output=True, text=True, timeout=120)
-    if probe.stdout.strip() != "no libcudnn":
+    if probe.stdout.strip() != "no libcudnn":  # e.g. a system libcudnn the loader finds by its soname
         pytest.skip(f"libcudnn loads without the wheel here, or no frontend: {probe.stdout}{probe.stderr[-300:]}")
     return python
 

@@ -8,11 +8,11 @@ import copy
 import io
 
 import pytest
-import torch
-
-from cudnn_graphs.torch import _se
 
 pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+from cudnn_graphs.torch import _se  # noqa: E402
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible", allow_module_level=True)
 

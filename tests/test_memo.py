@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from gpu_launch.memo import CallMemo, ThreadMemo
 
 
@@ -53,14 +55,17 @@ def test_the_thread_memo_keeps_each_threads_values_apart():
 
 
 def test_the_hot_paths_keep_their_calls_in_the_one_memo():
-    import torch  # noqa: F401  the torch layer's config and the fallback kernels' torch keys
-
     import cudnn_graphs as cg
-    from cudnn_graphs.torch import _conv
     from fallback_kernels import gemm_act, grid_sample
 
     assert isinstance(cg.Session(cache=False).calls, CallMemo)  # requests.run_buffers
-    cfg = _conv._config(2, 1, 0, 1, 1, None, 1.0, ())
-    assert all(isinstance(m, CallMemo) for m in (cfg.fwd, cfg.dgrad, cfg.wgrad))
     assert isinstance(grid_sample._memo, CallMemo)
     assert isinstance(gemm_act._memo, ThreadMemo)  # a program holds this thread's driver.Kernel
+
+
+def test_the_torch_layers_convs_keep_their_calls_in_the_one_memo():
+    pytest.importorskip("torch")  # the torch layer's config needs torch; the rest of the memo does not
+    from cudnn_graphs.torch import _conv
+
+    cfg = _conv._config(2, 1, 0, 1, 1, None, 1.0, ())
+    assert all(isinstance(m, CallMemo) for m in (cfg.fwd, cfg.dgrad, cfg.wgrad))

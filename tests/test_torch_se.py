@@ -7,13 +7,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-from torch import nn
 
-import cudnn_graphs.torch as cgt
-from cudnn_graphs.torch import _se
-from fallback_kernels import compile as kc
-from fallback_kernels import se_scale
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import cudnn_graphs.torch as cgt  # noqa: E402
+from cudnn_graphs.torch import _se  # noqa: E402
+from fallback_kernels import compile as kc  # noqa: E402
+from fallback_kernels import se_scale  # noqa: E402
 
 
 class SqueezeExcitation(nn.Module):
