@@ -166,7 +166,7 @@ class Chain:
         if residual is not None and self.branch is not None:
             raise ValueError("residual: a run with a downsample branch computes its own residual; got a tensor")
         # torch.func transforms (grad, vmap, jacrev ...) need rules our node does not have: the modules compute
-        unfused = self._hooked() or torch._C._are_functorch_transforms_active()
+        unfused = self._hooked() or torch._C._are_functorch_transforms_active() or not torch._C._get_cudnn_enabled()
         program = None if unfused else self._prepared(x, residual)
         if program is None:
             return self.unfused(x, residual)

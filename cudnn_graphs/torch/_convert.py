@@ -42,6 +42,7 @@ from ._conv import Conv1d, Conv2d, Conv3d
 from ._graph import TraceFailed, View, call_sites, install, is_leaf, trace, traced_modules
 from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
                          why_not_convnext_block)
+from ._nodes import run_node
 from ._preact import PreActivation
 from ._se import squeeze_excitation, squeeze_excitation_forward
 from .rules import rules_for
@@ -364,7 +365,9 @@ def _matches(view: View, rules: list, declined: dict) -> list:
 def _replace_nodes(graph, found, attr: str, args: tuple) -> None:
     """The found nodes become one call of `attr` (a fused node held on the module)."""
     with graph.inserting_after(found.output):
-        new = graph.call_module(attr, args)
+        node = graph.get_attr(attr)
+    with graph.inserting_after(node):  # through run_node: under torch.compile the node runs fused, not traced
+        new = graph.call_function(run_node, (node, *args))
     found.output.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
     for node in reversed(found.nodes):
         graph.erase_node(node)

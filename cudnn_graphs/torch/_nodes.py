@@ -1,0 +1,41 @@
+"""What every fused node of the torch layer shares: how it stays out of torch.compile's traces."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+_frames = torch._C._dynamo.eval_frame
+_set_eval_frame = _frames.set_eval_frame
+_SKIP = _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
+
+
+def outside_compile(fn: Callable) -> Callable:
+    """`fn` as torch.compile's `disable` makes it -- dynamo breaks its graph at the call and runs `fn` eagerly,
+    tracing nothing inside -- without importing torch._dynamo (seconds) where nothing compiles: a fused node
+    plans and launches in Python that dynamo cannot trace, and under compile it runs fused, between the
+    compiled graphs of the ops around it."""
+
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        prior = _set_eval_frame(None)  # what torch._dynamo's DisableContext does: no frame below is compiled
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    eager._torchdynamo_disable = True  # dynamo: break the graph here, call it eagerly
+    _frames.set_code_exec_strategy(eager.__code__, _SKIP)  # and compile no frame of this wrapper (its skip_code)
+    return eager
+
+
+
+
+def run_node(node: Callable, *args):
+    """What a rewritten forward calls for a fused node: `node(*args)`, outside torch.compile's trace."""
+    return node(*args)
+
+
+run_node = outside_compile(run_node)
