@@ -34,7 +34,10 @@ class Recorder:
     """Appends unseen specs to one JSON Lines file; knows what the file already holds."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path).expanduser()
+        try:
+            self.path = Path(path).expanduser()
+        except RuntimeError:  # ~user of an unknown user: config refuses it for $CUDNN_GRAPHS_RECORD, note() warns
+            self.path = Path(path)
         self._seen: set[str] = set()
         self._loaded_size = 0  # bytes of the file already read into _seen
         self.failed = False  # set after a write error: warned once, then skipped

@@ -75,3 +75,35 @@ def test_no_output_echoes_a_secret_query_parameter_or_a_url_redis_py_cannot_pars
         for piece in (SEKRIT, SEKRIT[:6], SEKRIT[6:]):
             assert piece not in out.stdout + out.stderr, (out.args, out.stdout, out.stderr)
     assert "cannot be cast" not in str(bad.value) and SEKRIT[:6] not in str(bad.value)
+
+
+# -- item 2: ~unknownuser in a path variable is a ConfigError, never a RuntimeError or a traceback --------------
+_NOBODY = "~no-such-user-cg55/plans"
+
+
+@pytest.mark.parametrize("variable", [config.CACHE_DIR, config.SYSTEM_CACHE_DIR, config.RECORD, config.REMOTE_KEY_FILE])
+def test_an_unknown_users_home_is_a_config_error_naming_the_variable(variable, monkeypatch, tmp_path):
+    for name in (config.CACHE_DIR, config.SYSTEM_CACHE_DIR, config.RECORD, config.REMOTE_KEY, config.REMOTE_KEY_FILE):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(config.CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(variable, _NOBODY)
+    assert config.problems()[variable].startswith(f"${variable}='{_NOBODY}'")
+    out = _cli("env", env=_env(**{variable: _NOBODY}))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"${variable}='{_NOBODY}'" in out.stderr
+    if variable == config.RECORD:
+        return
+    with pytest.raises(cg.ConfigError) as err:
+        cg.Session(remote="redis://127.0.0.1:1/0")
+    assert (err.value.variable, err.value.value) == (variable, _NOBODY)
+
+
+def test_record_mode_with_an_unknown_users_home_warns_once_and_plans_go_on(monkeypatch, caplog):
+    from cudnn_graphs import recording
+
+    monkeypatch.setenv(config.RECORD, _NOBODY + "/specs.jsonl")
+    monkeypatch.setattr(recording, "_from_env", {})
+    with caplog.at_level(logging.WARNING):
+        for padding in range(3):
+            recording.note(cg.ConvFwdSpec((1, 8, 9, 9), (4, 8, 3, 3), padding=padding))
+    assert caplog.text.count("record mode") == 1 and config.RECORD in caplog.text
