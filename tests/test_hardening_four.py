@@ -4,6 +4,7 @@ redis-servers on loopback where a server is needed, real processes where one is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -107,3 +108,115 @@ def test_record_mode_with_an_unknown_users_home_warns_once_and_plans_go_on(monke
         for padding in range(3):
             recording.note(cg.ConvFwdSpec((1, 8, 9, 9), (4, 8, 3, 3), padding=padding))
     assert caplog.text.count("record mode") == 1 and config.RECORD in caplog.text
+
+
+# -- item 6: exit codes that tell the truth --------------------------------------------------------------------
+@pytest.fixture
+def server(tmp_path):
+    if redis_server.binary() is None:
+        pytest.skip("no redis-server")
+    srv = redis_server.Server(tmp_path)
+    yield srv
+    srv.stop()
+
+
+def _remote_env(url: str, key: bytes = SECRET) -> dict:
+    return _env(**{config.REMOTE_CACHE: url, config.REMOTE_KEY: key.decode()})
+
+
+def test_pull_that_refuses_every_record_exits_1(server, tmp_path):
+    for rec in _records():
+        RemoteStore(server.url, secret=SECRET).put(rec)
+    out = _cli("cache", "pull", "--all", "--cache", str(tmp_path / "b"), env=_remote_env(server.url, b"another-key-0123456789"))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "refused" in out.stdout and "pulled" not in out.stdout
+
+
+def test_pull_into_a_cache_it_cannot_write_says_so_and_exits_1(server, tmp_path):
+    for rec in _records():
+        RemoteStore(server.url, secret=SECRET).put(rec)
+    cache = tmp_path / "b"
+    PlanStore(cache)  # a new root: v1/ laid out at once
+    for rec in _records():  # a file where each record's directory goes: no write there succeeds, root or not
+        (cache / "v1" / rec.key[:2]).write_bytes(b"")
+    out = _cli("cache", "pull", "--all", "--cache", str(cache), env=_remote_env(server.url))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "kept the local record" not in out.stdout and "not written here" in out.stdout, out.stdout
+
+
+def test_push_that_the_server_refuses_exits_1(tmp_path):
+    if redis_server.binary() is None:
+        pytest.skip("no redis-server")
+    srv = redis_server.Server(tmp_path, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+    local = tmp_path / "local"
+    try:
+        import redis
+
+        with contextlib.suppress(redis.OutOfMemoryError):  # an idle server may be over 1 MB already
+            redis.Redis.from_url(srv.url).set("ballast", b"x" * (2 << 20))  # then every write is refused (OOM)
+        for rec in _records():
+            PlanStore(local).put(rec)
+        out = _cli("cache", "push", "--cache", str(local), env=_remote_env(srv.url))
+    finally:
+        srv.stop()
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "pushed " not in out.stdout and "not written" in out.stderr, out.stdout + out.stderr
+
+
+def test_push_of_records_the_remote_keeps_exits_0(server, tmp_path):
+    local = tmp_path / "local"
+    for rec in _records():
+        RemoteStore(server.url, secret=SECRET).put(rec.__class__(rec.key, rec.blob, {**rec.meta, "chosen_by": "autotune"}))
+        PlanStore(local).put(rec)
+    out = _cli("cache", "push", "--cache", str(local), env=_remote_env(server.url))
+    assert out.returncode == 0 and "autotuned" in out.stdout, out.stdout + out.stderr
+
+
+# -- item 7: debris ----------------------------------------------------------------------------------------------
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_export_removes_the_temp_files_of_killed_exports(tmp_path):
+    from plan_cache import store as store_mod
+    from plan_cache.bundle import export_bundle
+
+    cache = PlanStore(tmp_path / "cache")
+    for rec in _records():
+        cache.put(rec)
+    target = tmp_path / "plans.bundle"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        names = {"dead": f".plans.bundle.tmp-{store_mod._writer_id()}-{_dead_pid()}-{'0' * 16}",
+                 "live": f".plans.bundle.tmp-{store_mod._writer_id()}-{live.pid}-{'1' * 16}",
+                 "old": f".plans.bundle.tmp-{os.getpid()}-{'2' * 16}",  # an earlier version's name: by age
+                 "other": f".other.bundle.tmp-{store_mod._writer_id()}-{_dead_pid()}-{'3' * 16}"}
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"x" * 1000)
+        os.utime(tmp_path / names["old"], (1, 1))
+        assert export_bundle(cache, target) == 3
+        left = {p.name for p in tmp_path.iterdir()}
+    finally:
+        live.kill()
+        live.wait()
+    assert names["dead"] not in left and names["old"] not in left
+    assert names["live"] in left and names["other"] in left  # a running export's, another target's
+
+
+@pytest.mark.parametrize("bundle", ["missing", "corrupt", "directory"])
+def test_import_of_a_bad_bundle_creates_no_cache(tmp_path, bundle):
+    path = tmp_path / "in.bundle"
+    if bundle == "corrupt":
+        path.write_bytes(b"CGBUNDL\0" + b"\0" * 100)
+    elif bundle == "directory":
+        path.mkdir()
+    out = _cli("cache", "import", str(path), "--cache", str(tmp_path / "new"), env=_env())
+    assert out.returncode in (1, 2) and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_pull_from_an_unreachable_remote_creates_no_cache(tmp_path):
+    out = _cli("cache", "pull", "--cache", str(tmp_path / "new"), env=_remote_env(f"redis://127.0.0.1:{redis_server.free_port()}/0"))
+    assert out.returncode == 1 and not (tmp_path / "new").exists(), out.stderr

@@ -113,6 +113,7 @@ def _device_option(parser: argparse.ArgumentParser) -> None:
 
 _NO_CREATE = ("ls", "stats", "verify", "export", "push", "prune", "clear")  # only import and pull create a cache
 _OPEN_READ_ONLY = ("ls", "stats")  # as a system tier is opened: they can list a root-owned one too
+_OPEN_LATE = ("import", "pull")  # given an opener: the cache is created once the bundle or the remote proved usable
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -121,6 +122,8 @@ def run_cache(args: argparse.Namespace) -> int:
         root = _root(args)
         if args.cache_command in _NO_CREATE and not os.path.lexists(root):
             return _no_cache(root, args)
+        if args.cache_command in _OPEN_LATE:
+            return _COMMANDS[args.cache_command](functools.partial(_open_late, root), args)
         store = _open_store(root, read_only=args.cache_command in _OPEN_READ_ONLY)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
@@ -171,6 +174,15 @@ def _fail(message: str, code: int) -> int:
 
 def _open_store(root, *, read_only: bool = False) -> PlanStore:
     return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH, read_only=read_only)
+
+
+def _open_late(root) -> PlanStore:
+    """The store for import and pull, opened (and created) only when there is something to write: its
+    OSError (an untrusted root) is the cache's trouble, never taken for the bundle's or the remote's."""
+    try:
+        return _open_store(root)
+    except OSError as err:
+        raise _Exit(str(err)) from None
 
 
 # --- reading records without side effects --------------------------------------------------------------------
@@ -548,11 +560,11 @@ def _resolve_keys(store: PlanStore, wanted: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _import(store: PlanStore, args) -> int:
+def _import(open_store, args) -> int:
     env = None if args.all else environment(args.device)
     accept = functools.partial(importable, env=env)
     try:
-        report = import_bundle(store, args.file, accept=accept, keep_existing=keep_stored)
+        report = import_bundle(open_store, args.file, accept=accept, keep_existing=keep_stored)
     except OSError as err:
         raise _Exit(f"cannot read {args.file}: {err.strerror or err}") from None
     print(_table(["IMPORT", "RECORDS"], [
@@ -607,12 +619,37 @@ def _push(store: PlanStore, args) -> int:
             counts["unreadable here, skipped"] += 1
         elif not key_matches(row.record):
             counts["skipped: key not its own"] += 1
-        elif remote.put(row.record, keep_existing=keep_stored):
-            counts["pushed"] += 1
         else:
-            counts["not pushed: the remote's is autotuned, or the remote failed"] += 1
+            counts[_push_one(remote, row.record)] += 1
     print(_table(["PUSH", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pushed", 0]], right=(1,)))
+    failed = counts[_NOT_WRITTEN_THERE]
+    if failed:
+        raise _Exit(f"remote cache {remote.url}: {_plural(failed, 'record')} not written (the warning above says "
+                    "why: a read-only replica, a full server, a server that failed)", 1)
     return 0
+
+
+_NOT_WRITTEN_THERE = "not pushed: the remote refused or failed the write"
+_NOT_WRITTEN_HERE = "not written here (the warning above says why)"
+
+
+def _push_one(remote, record: PlanRecord) -> str:
+    kept = _Kept(keep_stored)
+    if remote.put(record, keep_existing=kept):
+        return "pushed"
+    return "not pushed: the remote's is autotuned" if kept.kept else _NOT_WRITTEN_THERE
+
+
+class _Kept:
+    """A keep_existing callback that remembers whether it kept the stored record: a put that returns False
+    was either kept (fine) or failed (a problem), and only this tells which."""
+
+    def __init__(self, keep):
+        self.keep, self.kept = keep, False
+
+    def __call__(self, *records: PlanRecord) -> bool:
+        self.kept = bool(self.keep(*records))
+        return self.kept
 
 
 _NOT_PULLED = {"refused": "refused: unsigned or signed with another key", "corrupt": "refused: damaged",
@@ -621,23 +658,33 @@ _NOT_PULLED = {"refused": "refused: unsigned or signed with another key", "corru
                "miss": "skipped: deleted while pulling", "failed": "not read: the remote failed (see the warning)"}
 
 
-def _pull(store: PlanStore, args) -> int:
+_PROBLEMS = (_NOT_PULLED["refused"], _NOT_PULLED["corrupt"], _NOT_PULLED["failed"], _NOT_WRITTEN_HERE)
+
+
+def _pull(open_store, args) -> int:
     remote = _remote(args.remote)
     _reachable(remote)
     env = None if args.all else environment(args.device)
     counts = Counter()
-    for key in _listed_keys(remote, counts):
+    keys = _listed_keys(remote, counts)
+    store = open_store()
+    for key in keys:
         record, outcome = remote.fetch(key)
         if record is None:
             counts[_NOT_PULLED[outcome]] += 1
         elif not importable(record, env):
             counts["skipped: for another environment, made with no GPU, or a key not its own"] += 1
-        elif store.put(record, keep_existing=functools.partial(keep_stored, record)):
-            counts["pulled"] += 1
         else:
-            counts["kept the local record (it was autotuned)"] += 1
+            counts[_pull_one(store, record)] += 1
     print(_table(["PULL", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pulled", 0]], right=(1,)))
-    return 1 if counts[_NOT_PULLED["failed"]] else 0
+    return 1 if any(counts[problem] for problem in _PROBLEMS) else 0
+
+
+def _pull_one(store: PlanStore, record: PlanRecord) -> str:
+    kept = _Kept(functools.partial(keep_stored, record))
+    if store.put(record, keep_existing=kept):
+        return "pulled"
+    return "kept the local record (it was autotuned)" if kept.kept else _NOT_WRITTEN_HERE
 
 
 def _listed_keys(remote, counts: Counter) -> list[str]:
