@@ -220,3 +220,51 @@ def test_import_of_a_bad_bundle_creates_no_cache(tmp_path, bundle):
 def test_pull_from_an_unreachable_remote_creates_no_cache(tmp_path):
     out = _cli("cache", "pull", "--cache", str(tmp_path / "new"), env=_remote_env(f"redis://127.0.0.1:{redis_server.free_port()}/0"))
     assert out.returncode == 1 and not (tmp_path / "new").exists(), out.stderr
+
+
+# -- item 3: a capped cache keeps a running total; it does not rescan itself on every put ----------------------
+def _keyed(i: int, size: int = 200):
+    import hashlib
+
+    from plan_cache import PlanRecord
+
+    return PlanRecord(key=hashlib.sha256(str(i).encode()).hexdigest(), blob=b"b" * size, meta={"i": i})
+
+
+@pytest.mark.parametrize("cap", [1 << 30, 300 * 400])  # far from full; full, so that every put evicts
+def test_n_puts_into_a_capped_cache_list_directories_o_n_times(tmp_path, monkeypatch, cap):
+    """What made import of 10,000 records 288 s under the default cap (7.8 s without): each put listed the
+    whole cache. Directory listings are counted: a bounded number a put, whatever the cache holds."""
+    store = PlanStore(tmp_path / "c", max_bytes=cap)
+    listings = 0
+    real = os.scandir
+
+    def counting(path="."):
+        nonlocal listings
+        listings += 1
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    n = 1500
+    for i in range(n):
+        assert store.put(_keyed(i))
+    monkeypatch.setattr(os, "scandir", real)
+    assert listings < 8 * n, f"{listings} directory listings for {n} puts"
+    stats = store.stats()
+    assert stats["total_bytes"] <= cap and (cap > 1 << 20 or stats["evictions"] > 0)
+    assert stats["entries"] == (n if cap > 1 << 20 else stats["entries"])
+
+
+def test_the_running_total_is_corrected_by_a_rescan_for_other_processes_writes(tmp_path, monkeypatch):
+    from plan_cache import store as store_mod
+
+    monkeypatch.setattr(store_mod, "RESCAN_PUTS", 10)
+    size = len(store_mod.encode(_keyed(0)))
+    ours, theirs = PlanStore(tmp_path / "c", max_bytes=40 * size), PlanStore(tmp_path / "c")
+    for i in range(30):
+        assert ours.put(_keyed(i))
+    for i in range(30, 60):
+        assert theirs.put(_keyed(i))  # another process: uncapped, unseen by ours until it rescans
+    for i in range(60, 100):  # 30 puts: at least one rescan is due (after max(10, records found) puts)
+        assert ours.put(_keyed(i))
+    assert ours.stats()["total_bytes"] <= 40 * size
