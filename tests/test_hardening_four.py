@@ -313,3 +313,38 @@ def test_exit_waits_for_queued_remote_writes_at_most_its_deadline():
     assert waited < EXIT_DEADLINE + 1.5, f"exit took {waited:.1f} s with writes 2 s apiece queued"
     assert err.count("write-throughs are waiting already") == 1, err  # the bounded queue said so, once
     assert err.count("not done") == 1 and "dropped" in err, err  # what exit drops, said once
+
+
+# -- item 5: a stopped record-mode lock holder costs one short wait, and recording goes on ----------------------
+_HOLD_AND_STOP = """
+import fcntl, os, signal, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_stopped_record_lock_holder_costs_one_short_wait_and_recording_goes_on(tmp_path, caplog):
+    from cudnn_graphs import recording
+
+    target = tmp_path / "specs.jsonl"
+    specs = [cg.ConvFwdSpec((1, 8, 9, 9), (4, 8, 3, 3), padding=p) for p in range(4)]
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_AND_STOP, f"{target}.lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with recording.record(target), caplog.at_level(logging.WARNING):
+            waits = []
+            for spec in specs[:3]:
+                start = time.monotonic()
+                recording.note(spec)
+                waits.append(time.monotonic() - start)
+            holder.kill()  # the stopped holder goes: its lock with it
+            holder.wait()
+            recording.note(specs[3])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert waits[0] < 3 and max(waits[1:]) < 0.5, waits  # one short wait, then only tried
+    assert caplog.text.count("record mode") == 1, caplog.text
+    assert [line for line in target.read_text().splitlines()] == [recording.spec_line(s) for s in specs]
