@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plan_cache import redact_url
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 CACHE_DIR = "CUDNN_GRAPHS_CACHE_DIR"
 MEMORY_CACHE_SIZE = "CUDNN_GRAPHS_MEMORY_CACHE_SIZE"
@@ -132,9 +132,9 @@ def parse_bytes(text: str) -> int:
     try:
         value = int(number, 10) * _UNITS[unit]
     except ValueError:
-        raise ValueError(f"{text!r} is not a byte count such as 4294967296, 512M or 4G") from None
+        raise ValueError(f"{shown(text)} is not a byte count such as 4294967296, 512M or 4G") from None
     if value < 0:
-        raise ValueError(f"{text!r}: must be >= 0")
+        raise ValueError(f"{shown(text)}: must be >= 0")
     return value
 
 

@@ -348,3 +348,97 @@ def test_a_stopped_record_lock_holder_costs_one_short_wait_and_recording_goes_on
     assert waits[0] < 3 and max(waits[1:]) < 0.5, waits  # one short wait, then only tried
     assert caplog.text.count("record mode") == 1, caplog.text
     assert [line for line in target.read_text().splitlines()] == [recording.spec_line(s) for s in specs]
+
+
+# -- item 8: first-contact papercuts -----------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["deterministic", "allow_tf32", "fuse"])
+@pytest.mark.parametrize("value", ["no", "False", 0, None])
+def test_session_flags_are_true_or_false_never_bool_of_a_string(field, value):
+    with pytest.raises(cg.SpecError) as err:
+        cg.Session(cache=False, **{field: value})
+    assert (err.value.field, err.value.value) == (field, value)
+
+
+@pytest.mark.parametrize("arguments", [{"env": "H100"}, {"env": {"gpu_name": "H100"}}, {"policy": "fuse"}])
+def test_signature_refuses_what_is_no_environment_with_a_typed_error(arguments):
+    with pytest.raises(cg.SpecError) as err:
+        cg.signature(cg.ConvFwdSpec((1, 8, 9, 9), (4, 8, 3, 3)), **arguments)
+    assert err.value.field == next(iter(arguments))
+    with pytest.raises(cg.SpecError):
+        cg.signature("conv_fwd")
+
+
+@pytest.mark.parametrize("url", ["http://cache:6379", f"http://u:{SEKRIT}@cache", "cache:6379", " "])
+def test_a_session_refuses_a_remote_that_is_no_redis_url(url):
+    with pytest.raises(cg.SpecError) as err:
+        cg.Session(remote=url)
+    assert err.value.field == "remote" and SEKRIT not in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [[], ["env", "--device", "-1"], ["doctor", "--device", "-2"],
+                                  ["cache", "verify", "--device", "-1"], ["env", "--device", "9" * 5000],
+                                  ["cache", "ls", "--bogus"], ["warmup", "--batch", "0"], ["cache"]])
+def test_usage_errors_exit_2_with_one_line(argv):
+    out = _cli(*argv, env=_env())
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1 and "usage:" not in out.stderr, out.stderr
+    assert "9" * 200 not in out.stderr
+
+
+def test_an_over_long_number_in_a_spec_line_is_said_in_words(tmp_path):
+    path = tmp_path / "specs.jsonl"
+    path.write_text('{"schema": 1, "op": "conv_fwd", "x_shape": [%s, 8, 9, 9]}\n' % ("9" * 5000))
+    out = _cli("check", "--no-graph", str(path), env=_env())
+    assert out.returncode == 1 and "5000 digits" in out.stderr, out.stderr
+    assert "set_int_max_str_digits" not in out.stderr and "4300" not in out.stderr
+
+
+def test_doctor_does_not_call_a_relative_cache_dir_ok(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "cudnn_graphs", "doctor"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env=_env(**{config.CACHE_DIR: "plans"}))
+    line = next(line for line in out.stdout.splitlines() if "plan cache" in line)
+    assert line.startswith("warn") and "relative" in line and str(tmp_path / "plans") in line, line
+
+
+def test_the_dry_run_summary_never_reads_signatures_for_none():
+    out = _cli("warmup", "--preset", "resnet50", "--dry-run", env=_env())
+    assert out.returncode == 0, out.stderr
+    assert "signatures for none" not in out.stderr and "signatures for" in out.stderr
+
+
+def test_the_cpu_fallback_warns_once_per_process_not_per_shape(caplog):
+    torch = pytest.importorskip("torch")
+    import cudnn_graphs.torch as cgt
+    from cudnn_graphs.torch import _fallback
+
+    _fallback._said.clear()
+    model = torch.nn.Sequential(cgt.Conv2d(3, 8, 3), cgt.Conv2d(8, 16, 1), cgt.Conv2d(16, 4, 5, padding=2))
+    with caplog.at_level(logging.WARNING, logger="cudnn_graphs"):
+        for batch in (1, 2):
+            model(torch.randn(batch, 3, 12, 12))
+    assert sum("CPU tensors" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("call", ["bicubic_5d", "bad_mode", "grid_rank"])
+def test_grid_sample_refuses_bad_arguments_with_spec_errors_on_cpu_as_on_cuda(call):
+    torch = pytest.importorskip("torch")
+    import cudnn_graphs.torch as cgt
+    from gpu_launch.errors import BufferMismatchError
+
+    x5, g5 = torch.randn(1, 2, 3, 4, 5), torch.rand(1, 2, 2, 2, 3)
+    calls = {"bicubic_5d": (lambda: cgt.grid_sample(x5, g5, mode="bicubic", align_corners=False), cg.SpecError),
+             "bad_mode": (lambda: cgt.grid_sample(x5, g5, mode="area", align_corners=False), cg.SpecError),
+             "grid_rank": (lambda: cgt.grid_sample(x5, g5[0], align_corners=False), BufferMismatchError)}
+    fn, error = calls[call]
+    with pytest.raises(error):
+        fn()
+
+
+@pytest.mark.parametrize("shapes", [(("1", 2, 5, 5), (1, 3, 3, 2)), ((1, 2, 5, 5), (1, 3, 3.0, 2)),
+                                    ((1, 2, True, 5), (1, 3, 3, 2))])
+def test_grid_sample_geometry_refuses_a_dimension_that_is_no_integer(shapes):
+    from fallback_kernels import grid_sample as gs
+
+    with pytest.raises(cg.SpecError) as err:
+        gs.geometry(*shapes, "float32", "float32")
+    assert err.value.field in ("input_shape", "grid_shape")

@@ -24,11 +24,11 @@ from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 from .. import config
 from ..cache.policy import importable, keep_stored, key_matches
 from ..environment import NO_GPU, environment
-from ..errors import CudnnGraphsError
+from ..errors import CudnnGraphsError, shown
 from ..plan.verify import verify_load
 from ..spec import SPEC_TYPES, spec_from_dict
 
-__all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
+__all__ = ["add_cache_parser", "device_option", "int_arg", "human_bytes", "parse_size", "run_cache"]
 
 _NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
 _SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
@@ -72,7 +72,7 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     verify = subs.add_parser("verify", parents=[common], help="check every record (and with a GPU, that it loads)")
     verify.add_argument("--load", action=argparse.BooleanOptionalAction, default=None,
                         help="also load each plan on the GPU (default: when a GPU and cuDNN are present)")
-    _device_option(verify)
+    device_option(verify)
     _json_option(verify)
     prune = subs.add_parser("prune", parents=[common], help="evict least recently used records down to a size")
     prune.add_argument("--max-bytes", type=parse_size, required=True, metavar="N",
@@ -87,13 +87,13 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     imp.add_argument("file", help="bundle file to read")
     imp.add_argument("--all", action="store_true",
                      help="import records made for any environment, not only for this machine")
-    _device_option(imp)
+    device_option(imp)
     push = subs.add_parser("push", parents=[common], help="copy local records to the remote cache (signed)")
     pull = subs.add_parser("pull", parents=[common], help="copy the remote cache's records here (verified)")
     for sub in (push, pull):
         sub.add_argument("--remote", metavar="URL", help="redis://host:port/db (default: $%s)" % config.REMOTE_CACHE)
     pull.add_argument("--all", action="store_true", help="pull records made for any environment, not only this machine's")
-    _device_option(pull)
+    device_option(pull)
     return cache
 
 
@@ -107,8 +107,25 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _device_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+def device_option(parser: argparse.ArgumentParser) -> None:
+    """`--device I`: a GPU ordinal, >= 0 (a negative one is a usage error, not device 0's fingerprint)."""
+    parser.add_argument("--device", type=int_arg(0, "a GPU ordinal (an integer >= 0)"), default=0,
+                        help="GPU ordinal (default 0)")
+
+
+def int_arg(minimum: int, what: str = "an integer"):
+    """An argparse type: an integer >= `minimum`; a message that quotes a 5000-digit value quotes it bounded."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    return parse
 
 
 _NO_CREATE = ("ls", "stats", "verify", "export", "push", "prune", "clear")  # only import and pull create a cache
