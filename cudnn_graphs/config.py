@@ -11,7 +11,7 @@ from pathlib import Path
 
 from plan_cache import redact_url
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 CACHE_DIR = "CUDNN_GRAPHS_CACHE_DIR"
 MEMORY_CACHE_SIZE = "CUDNN_GRAPHS_MEMORY_CACHE_SIZE"
@@ -66,13 +66,23 @@ def _bool(name: str, default: bool) -> bool:
     raise ConfigError(name, raw, f"expected one of {sorted(_TRUE | _FALSE - {''})}")
 
 
+def _expanded(name: str, raw: str) -> Path:
+    """`raw` with a leading ~ or ~user expanded; ConfigError when that user (or the home directory) is
+    unknown, where Path.expanduser raises RuntimeError."""
+    try:
+        return Path(raw).expanduser()
+    except RuntimeError:
+        raise ConfigError(name, raw, "starts with ~ naming a user (or home directory) this system does not know") \
+            from None
+
+
 def cache_dir() -> Path:
     """Root of the on-disk plan cache: $CUDNN_GRAPHS_CACHE_DIR, else the user cache dir."""
     raw = _raw(CACHE_DIR)
     if raw is not None:
         if raw.strip() == "":
             raise ConfigError(CACHE_DIR, raw, "is empty; unset it or name a directory")
-        path = Path(raw).expanduser()
+        path = _expanded(CACHE_DIR, raw)
         if path.exists() and not path.is_dir():
             raise ConfigError(CACHE_DIR, raw, "exists and is not a directory")
         return path
@@ -86,7 +96,7 @@ def system_cache_dir() -> Path | None:
     raw = _raw(SYSTEM_CACHE_DIR)
     if raw is None or raw.strip() == "":
         return None
-    path = Path(raw).expanduser()
+    path = _expanded(SYSTEM_CACHE_DIR, raw)
     if not path.is_dir():
         raise ConfigError(SYSTEM_CACHE_DIR, raw, "is not an existing directory (fill it with `cudnn-graphs cache "
                           "import FILE --cache DIR` as its owner)")
@@ -122,9 +132,9 @@ def parse_bytes(text: str) -> int:
     try:
         value = int(number, 10) * _UNITS[unit]
     except ValueError:
-        raise ValueError(f"{text!r} is not a byte count such as 4294967296, 512M or 4G") from None
+        raise ValueError(f"{shown(text)} is not a byte count such as 4294967296, 512M or 4G") from None
     if value < 0:
-        raise ValueError(f"{text!r}: must be >= 0")
+        raise ValueError(f"{shown(text)}: must be >= 0")
     return value
 
 
@@ -133,7 +143,7 @@ def record_path() -> str | None:
     raw = _raw(RECORD)
     if raw is None or raw.strip() == "":
         return None
-    path = Path(raw).expanduser()
+    path = _expanded(RECORD, raw)
     if path.is_dir():
         raise ConfigError(RECORD, raw, "is a directory; name a .jsonl file to append specs to")
     return str(path)
@@ -171,7 +181,7 @@ def remote_cache_key() -> bytes | None:
     path = _raw(REMOTE_KEY_FILE)
     if path is None or path.strip() == "":
         return None
-    return _key_file(Path(path).expanduser(), path)
+    return _key_file(_expanded(REMOTE_KEY_FILE, path), path)
 
 
 def _key_file(path: Path, raw: str) -> bytes:
@@ -239,8 +249,8 @@ def problems() -> dict[str, str]:
     for name, check in checks.items():
         try:
             check()
-        except ConfigError as err:
-            out[name] = str(err)
+        except ConfigError as err:  # under the variable at fault: the key file's, where the key comes from one
+            out[err.variable] = str(err)
     return out
 
 

@@ -24,7 +24,7 @@ class ConfigError(CudnnGraphsError, ValueError):
         self.variable = variable
         self.value = value
         self.reason = reason
-        super().__init__(f"${variable}={value!r}: {reason}")
+        super().__init__(f"${variable}={shown(value)}: {reason}")  # bounded: a 5000-digit value is not echoed whole
 
 
 class TargetEnvError(CudnnGraphsError, ValueError):

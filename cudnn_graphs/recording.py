@@ -27,6 +27,8 @@ log = logging.getLogger("cudnn_graphs")
 _lock = threading.Lock()
 _active: list["Recorder"] = []
 _from_env: dict[str, "Recorder"] = {}
+LOCK_WAIT = 1.0  # seconds a plan() waits for the record file's lock once; a stopped holder costs no more
+MAX_PENDING = 4096  # specs kept in memory while the lock is held elsewhere
 MAX_LINE_BYTES = 1 << 16  # a spec line is under 1 KB; a longer line is damage, skipped unread
 
 
@@ -34,33 +36,58 @@ class Recorder:
     """Appends unseen specs to one JSON Lines file; knows what the file already holds."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path).expanduser()
+        try:
+            self.path = Path(path).expanduser()
+        except RuntimeError:  # ~user of an unknown user: config refuses it for $CUDNN_GRAPHS_RECORD, note() warns
+            self.path = Path(path)
         self._seen: set[str] = set()
         self._loaded_size = 0  # bytes of the file already read into _seen
         self.failed = False  # set after a write error: warned once, then skipped
+        self._pending: dict[str, None] = {}  # lines not appended yet (the lock was held), in order
+        self._stuck = False  # the lock timed out: tried without waiting until acquired again
 
     def note(self, spec) -> bool:
-        """Append `spec` unless the file already has it; True when a line was written. Raises
-        NotRegularFileError for a target that is not a regular file (a FIFO would block, a device
-        read without end), OSError when the file cannot be opened or written."""
+        """Append `spec` unless the file already has it; True when a line was written. While another
+        process holds the file's lock past LOCK_WAIT (stopped, or hung), the spec waits in memory and is
+        appended with the next one noted once the lock is free. Raises NotRegularFileError for a target
+        that is not a regular file (a FIFO would block, a device read without end), OSError when the file
+        cannot be opened or written."""
         line = spec_line(spec)
         if line in self._seen:
             return False
+        if len(self._pending) < MAX_PENDING:
+            self._pending[line] = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = _open_record_file(self.path)
         try:
-            # One lock across processes: read what others appended, then append ours only if still new.
-            # NoFollowLock: a symbolic link planted at FILE.lock is refused, never truncated (CVE-2025-68146).
-            with NoFollowLock(f"{self.path}.lock", timeout=30):
-                self._refresh(fd)
-                if line in self._seen:
-                    return False
-                _append(fd, line)
-                self._seen.add(line)
-                self._loaded_size = os.fstat(fd).st_size
+            return self._append_pending(fd)
         finally:
             os.close(fd)
-        return True
+
+    def _append_pending(self, fd: int) -> bool:
+        # One lock across processes: read what others appended, then append ours only if still new.
+        # NoFollowLock: a symbolic link planted at FILE.lock is refused, never truncated (CVE-2025-68146).
+        lock = NoFollowLock(f"{self.path}.lock", timeout=0.0 if self._stuck else LOCK_WAIT)
+        try:
+            lock.acquire()
+        except TimeoutError:  # a stopped holder costs one LOCK_WAIT, then is only tried, never waited for
+            if not self._stuck:
+                log.warning("record mode: %s is locked by another process for over %.0f s (stopped or hung?); "
+                            "specs wait in memory and are appended once it is free", lock.lock_file, LOCK_WAIT)
+            self._stuck = True
+            return False
+        self._stuck = False
+        try:
+            self._refresh(fd)
+            new = [line for line in self._pending if line not in self._seen]
+            for line in new:
+                _append(fd, line)
+                self._seen.add(line)
+            self._pending.clear()
+            self._loaded_size = os.fstat(fd).st_size
+        finally:
+            lock.release()
+        return bool(new)
 
     def _refresh(self, fd: int) -> None:
         """Read the lines appended since the last call, a line at a time (never the whole file at once)."""

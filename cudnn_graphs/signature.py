@@ -13,6 +13,7 @@ import struct
 from typing import Iterable
 
 from .environment import Environment, environment
+from .errors import SpecError
 
 SIGNATURE_SCHEMA = 1
 
@@ -40,6 +41,16 @@ def environment_bytes(env: Environment) -> bytes:
     return _canonical_json(env.to_dict())
 
 
+def _check_arguments(spec, env, policy) -> None:
+    if not callable(getattr(spec, "to_dict", None)):
+        raise SpecError("spec", spec, "expected an op spec (cudnn_graphs.ConvFwdSpec, ...)")
+    if not isinstance(env, Environment):
+        raise SpecError("env", env, "expected None (this machine) or an Environment: cudnn_graphs.environment(device) "
+                        "here, environment_from_file(path) for another machine")
+    if policy is not None and not isinstance(policy, dict):
+        raise SpecError("policy", policy, "expected None or a dict of session settings")
+
+
 def signature(spec, env: Environment | None = None, *, policy: dict | None = None) -> str:
     """Hex sha256 naming `spec` built in `env` (default: this process, GPU 0, default flags).
 
@@ -47,6 +58,7 @@ def signature(spec, env: Environment | None = None, *, policy: dict | None = Non
     of None or {} keeps the key of the default choice.
     """
     env = environment() if env is None else env
+    _check_arguments(spec, env, policy)
     parts = [
         ("schema", str(SIGNATURE_SCHEMA).encode()),
         ("spec", spec_bytes(spec)),

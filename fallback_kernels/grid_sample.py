@@ -44,6 +44,7 @@ import copy
 import ctypes
 import functools
 import math
+import numbers
 import sys
 import threading
 from typing import Any, Callable, NamedTuple
@@ -253,7 +254,7 @@ def geometry(input_shape, grid_shape, input_dtype: str, grid_dtype: str, *, mode
              padding_mode: str = "zeros", align_corners: bool = False) -> Geometry:
     """Check shapes and dtypes the way torch does (plus 32-bit coordinate limits); no GPU needed."""
     m, pad, align = check_options(mode, padding_mode, align_corners)
-    input_shape, grid_shape = tuple(int(d) for d in input_shape), tuple(int(d) for d in grid_shape)
+    input_shape, grid_shape = _dims("input_shape", input_shape), _dims("grid_shape", grid_shape)
     rank = len(input_shape)
     if rank not in (4, 5):
         raise BufferMismatchError("input", "rank", "4 (N, C, H, W) or 5 (N, C, D, H, W)", rank)
@@ -283,6 +284,14 @@ def geometry(input_shape, grid_shape, input_dtype: str, grid_dtype: str, *, mode
     in_sp = ((1,) + input_shape[2:])[-3:]
     out_sp = ((1,) + grid_shape[1:-1])[-3:]
     return Geometry(nd, input_shape[0], input_shape[1], in_sp, out_sp, input_dtype, m, pad, align)
+
+
+def _dims(field: str, shape: Any) -> tuple[int, ...]:
+    """`shape` as ints; SpecError for anything else in it (int("7") would take a string for a size)."""
+    dims = tuple(shape)
+    if not all(isinstance(d, numbers.Integral) and not isinstance(d, (bool, np.bool_)) for d in dims):
+        raise SpecError(field, shape, "expected a shape of integers")
+    return tuple(int(d) for d in dims)
 
 
 def _check_grad_output(geo: Geometry, shape, dtype: str) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import secrets
 import stat
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +31,7 @@ import msgpack
 from . import record as record_mod
 from ._files import write_atomic
 from .errors import CorruptRecordError
+from .store import STALE_TEMP_AGE, TEMP_PREFIX, _writer_is_dead, temp_name
 from .record import HEADER_SIZE, PlanRecord, check_frame, decode, encode, validate_key
 
 __all__ = ["BUNDLE_MAGIC", "BUNDLE_VERSION", "HEADER_SIZE", "CorruptBundleError", "ImportReport", "export_bundle", "import_bundle",
@@ -114,17 +114,46 @@ def export_bundle(store, path: str | os.PathLike[str], *, keys: Iterable[str] | 
         if record is not None:  # evicted or found corrupt since keys() listed it
             entries.append(encode(record))
     target = Path(os.fspath(path))
-    temp = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    sweep_export_debris(target)
+    temp = target.parent / f".{target.name}{temp_name()}"
     # mode: the umask decides, as for any file; a FIFO or device at `path` is refused, never replaced
     write_atomic(target, pack_bundle(entries), temp=temp, mode=0o666, regular_only=True)
     return len(entries)
+
+
+def sweep_export_debris(target: Path) -> int:
+    """Remove the temp files a killed export to `target` left beside it (.NAME.tmp-<writer>-<pid>-<hex>):
+    those of a process of this host that is gone, and any without a write for STALE_TEMP_AGE; how many."""
+    head = f".{target.name}"
+    removed = 0
+    for item in _listing(target.parent):
+        if not item.name.startswith(head + TEMP_PREFIX):
+            continue
+        try:
+            st = item.stat(follow_symlinks=False)
+            stale = st.st_mtime < time.time() - STALE_TEMP_AGE
+            if stat.S_ISREG(st.st_mode) and (stale or _writer_is_dead(item.name[len(head):])):
+                os.unlink(item.path)
+                removed += 1
+        except OSError:  # gone meanwhile, or a directory we cannot write: the export itself will say so
+            continue
+    return removed
+
+
+def _listing(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory if os.fspath(directory) else ".") as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 # --- import --------------------------------------------------------------------------------------------------
 
 def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[PlanRecord], bool] | None = None,
                   keep_existing: Callable[[PlanRecord, PlanRecord], bool] | None = None) -> ImportReport:
-    """Merge the records of the bundle at `path` into `store`.
+    """Merge the records of the bundle at `path` into `store` (a store, or a function that opens one: it
+    is called only once the bundle passed its checks, so a missing or corrupt bundle creates no cache).
 
     `accept(record)`: False skips the record (counted in `skipped_rejected`). `keep_existing(new, old)`: asked
     about a record already stored under the same key; True keeps the stored one (counted in `skipped_kept`);
@@ -137,6 +166,7 @@ def import_bundle(store, path: str | os.PathLike[str], *, accept: Callable[[Plan
         _check_stream(file, path)
         for _ in _stream_entries(file, path):
             pass
+        store = store() if callable(store) else store
         counts = dict.fromkeys(ImportReport._fields, 0)
         for entry in _stream_entries(file, path):
             counts[_import_one(store, entry, accept, keep_existing)] += 1

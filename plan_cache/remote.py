@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from typing import Any, Callable, Iterator
+from urllib.parse import unquote_plus
 
 from .errors import CacheError, CorruptRecordError
 from .record import FORMAT_VERSION, MAX_RECORD_BYTES, PlanRecord, decode, encode, validate_key
@@ -40,19 +41,35 @@ _COUNTERS = ("hits", "misses", "puts", "puts_kept_existing", "refused_unsigned",
 _PUT_RETRIES = 3  # optimistic transactions lost to concurrent writers before giving up on one put
 _MAX_VALUE = len(SIG_MAGIC) + _SIG_SIZE + MAX_RECORD_BYTES  # the longest value a record can be stored as
 _MAX_NAMES = 1_000_000  # names a listing keeps: a server that never ends its SCAN cannot fill memory
-_PASSWORD_PARAM = re.compile(r"(?i)([?&]password=)[^&#]*")
+# A query parameter whose name (percent-decoded, as redis-py's parse_qs decodes it: `pass%77ord` is
+# `password`) says secret: redis-py hands `password`, `ssl_password` and any other name to the connection.
+_SECRET_NAME = re.compile(r"(?i)pass|secret|token|auth|cred")
 
 
 def redact_url(url: str) -> str:
-    """`url` as it may be shown: its userinfo and any `password=` parameter replaced by `***` (URLs land in
-    job logs). Everything up to the last '@' goes, so a password holding '/' or '@' goes whole."""
-    url = _PASSWORD_PARAM.sub(r"\1***", url)
+    """`url` as it may be shown: its userinfo and the value of every query parameter that names a secret
+    replaced by `***` (URLs land in job logs). Everything up to the last '@' goes, so a password holding
+    '/', '?', '#' or '@' goes whole; a fragment, and a query part that is no `name=value` (the rest of a
+    value holding '&' or ';'), go too."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     if "@" in rest:
         rest = "***@" + rest.rsplit("@", 1)[1]
-    return scheme + sep + rest
+    rest, hash_, _ = rest.partition("#")
+    base, question, query = rest.partition("?")
+    if question:
+        base += "?" + "".join(_shown_param(part) for part in re.split(r"([&;])", query))
+    return scheme + sep + base + ("#***" if hash_ else "")
+
+
+def _shown_param(part: str) -> str:
+    if part in ("&", ";", ""):
+        return part
+    name, equals, _ = part.partition("=")
+    if not equals:
+        return "***"
+    return f"{name}=***" if _SECRET_NAME.search(unquote_plus(name)) else part
 
 
 class RemoteCacheError(CacheError):
@@ -102,7 +119,7 @@ class RemoteStore:
         try:
             self._client = _redis_io.client(url, timeout)
         except (ValueError, TypeError) as err:
-            raise RemoteCacheError(f"remote cache URL {redact_url(url)!r}: {err}") from None
+            raise RemoteCacheError(f"remote cache URL {redact_url(url)!r}: {_parse_trouble(err)}") from None
         self._redis, self._io = redis, _redis_io
         self.url, self.timeout, self.backoff, self.prefix = redact_url(url), float(timeout), float(backoff), prefix
         self.list_timeout, self.write_timeout = float(list_timeout), float(write_timeout)
@@ -339,6 +356,16 @@ class RemoteStore:
 
 
 _FAILED = object()
+
+
+def _parse_trouble(err: Exception) -> str:
+    """Why redis-py refused a URL, without its words: they may quote the URL ("Port could not be cast to
+    integer value as 'pa'" is the start of a password holding an unescaped '/')."""
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+    if isinstance(err, TypeError) and unknown:
+        return f"redis-py knows no option {unknown.group(1)!r}"
+    return ("redis-py cannot parse it (a malformed host, port or option value, or a password holding '/', "
+            "'?', '#' or '@' not percent-encoded)")
 
 
 def _integer(command: str, reply: Any) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import heapq
 import logging
 import math
 import os
@@ -54,6 +55,8 @@ logger = logging.getLogger("plan_cache")
 
 STALE_TEMP_AGE = 600.0  # seconds without a write after which a temp file is a dead writer's debris
 TOUCH_INTERVAL = 1.0  # a hit rewrites the last-use time only when it is older than this: hot gets stay read-only
+RESCAN_PUTS = 256  # a capped store rescans after at least this many puts (or as many as it last found)...
+RESCAN_SECONDS = 60.0  # ...or this long: what other processes wrote is counted from then on
 QUARANTINE_KEEP = 32  # quarantined files kept for inspection; older ones are deleted
 RECORD_SUFFIX = ".rec"
 TEMP_PREFIX = ".tmp-"
@@ -81,6 +84,47 @@ class _Entry(NamedTuple):
     size: int
     mtime_ns: int
     ino: int
+
+
+class _SizeIndex:
+    """What this process knows of a capped cache's record files: built by a full scan, kept by this
+    process's puts and evictions, a heap of last uses for the least recently used. Other processes' writes
+    are seen at the next scan, due after as many puts as the scan found records (at least RESCAN_PUTS) or
+    RESCAN_SECONDS: scans cost O(1) a put, amortised, and import or pull of N records O(N)."""
+
+    def __init__(self, entries: list[_Entry]):
+        self.files = {e.path: e for e in entries}
+        self.total = sum(e.size for e in entries)
+        self.heap = [(e.mtime_ns, e.path) for e in entries]
+        heapq.heapify(self.heap)
+        self.puts, self.made = 0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.puts >= max(RESCAN_PUTS, len(self.files)) or time.monotonic() - self.made > RESCAN_SECONDS
+
+    def add(self, entry: _Entry, *, put: bool = False) -> None:
+        old = self.files.get(entry.path)
+        self.total += entry.size - (old.size if old is not None else 0)
+        self.files[entry.path] = entry
+        heapq.heappush(self.heap, (entry.mtime_ns, entry.path))
+        self.puts += put
+
+    def refile(self, entry: _Entry) -> None:
+        heapq.heappush(self.heap, (entry.mtime_ns, entry.path))
+
+    def drop(self, path: str) -> None:
+        old = self.files.pop(path, None)
+        self.total -= old.size if old is not None else 0
+
+    def oldest(self) -> _Entry | None:
+        """The least recently used entry as last known, taken off the heap; None when none is left.
+        Heap items that no longer match the entry (replaced, refiled) are skipped."""
+        while self.heap:
+            mtime_ns, path = heapq.heappop(self.heap)
+            entry = self.files.get(path)
+            if entry is not None and entry.mtime_ns == mtime_ns:
+                return entry
+        return None
 
 
 class Peeked(NamedTuple):
@@ -218,6 +262,8 @@ class PlanStore:
         self._stuck: set[str] = set()  # locks that timed out: tried without waiting until acquired again
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts_lock = threading.Lock()
+        self._index: _SizeIndex | None = None  # a capped store's running total: built at its first put
+        self._index_lock = threading.Lock()
         self._read_only = bool(read_only)
         if self._read_only:  # a shared system tier: never created, written, touched or quarantined in
             _trusted_existing_dir(self._root)
@@ -521,17 +567,72 @@ class PlanStore:
     # --- eviction --------------------------------------------------------------------------------------------
 
     def _evict_if_over(self, *, keep: str) -> None:
+        """After a put of `keep` into a capped store: evict least recently used records while this
+        process's running total says the cache is over its cap. No scan of the whole cache per put."""
         try:
-            # Unlocked first look (most puts leave the cache under its cap); it removes the temp files of
-            # writers on this host that died (killed mid-put), so they cannot pile up beside the cap.
-            entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
-            if sum(e.size for e in entries) <= self._max_bytes:
-                return
-            with self._eviction_lock() as held:
-                if held:
-                    self._evict(keep=keep)
+            with self._index_lock:
+                self._note_put(keep)
+                if self._index.total <= self._max_bytes:
+                    return
+                with self._eviction_lock() as held:
+                    if held:
+                        self._evict_indexed(keep)
         except OSError as err:
             logger.warning("plan cache: eviction failed (%s); the cache may exceed its cap until the next put", err)
+
+    def _note_put(self, path: str) -> None:
+        """Count the record just written at `path` in the running total; rescan instead when the index is
+        missing or due (it corrects what other processes wrote or removed meanwhile)."""
+        if self._index is None or self._index.due():
+            self._index = _SizeIndex(self._scan(sweep_before=time.time() - self._stale_temp_age)[0])
+            return
+        self._sweep_dir(os.path.dirname(path))  # a writer killed mid-put left its temp here, most likely
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:  # evicted by another process already
+            return
+        self._index.add(_Entry(path, st.st_size, st.st_mtime_ns, st.st_ino), put=True)
+
+    def _evict_indexed(self, keep: str) -> None:
+        index, held_back = self._index, []
+        while index.total > self._max_bytes:
+            entry = index.oldest()
+            if entry is None:  # nothing evictable is known: the next put rescans
+                self._index = None
+                break
+            if entry.path == keep or not _own_record(entry.path):
+                held_back.append(entry)
+            else:
+                self._evict_entry(index, entry)
+        for entry in held_back:
+            index.refile(entry)
+
+    def _evict_entry(self, index: _SizeIndex, entry: _Entry) -> None:
+        try:
+            st = os.lstat(entry.path)
+        except FileNotFoundError:  # removed by another process
+            index.drop(entry.path)
+            return
+        if (st.st_ino, st.st_mtime_ns) != (entry.ino, entry.mtime_ns):  # used or rewritten since: file it as it is
+            index.add(_Entry(entry.path, st.st_size, _not_future(entry.path, st), st.st_ino))
+            return
+        if self._unlink_if_unchanged(entry):
+            index.drop(entry.path)
+            self._count("evictions")
+            self._sweep_dir(os.path.dirname(entry.path))
+
+    def _sweep_dir(self, directory: str) -> None:
+        """Remove the stale temp files of one fan-out directory (a few files: cheap on every put)."""
+        before = time.time() - self._stale_temp_age
+        for item in _scandir(directory):
+            if item.name.startswith(TEMP_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    self._remove_if_stale(item.path, before)
+
+    def _forget_sizes(self) -> None:
+        """After maintenance that removed records (prune, clear): the next capped put rescans."""
+        with self._index_lock:
+            self._index = None
 
     def _evict(self, max_bytes: int | None = None, *, keep: str | None = None) -> int:
         """Evict least recently used records down to the cap; never `keep`, the record this put just wrote
@@ -557,6 +658,7 @@ class PlanStore:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(f"max_bytes: {max_bytes!r} must be an int >= 0")
         self.check_marked()
+        self._forget_sizes()
         with self._eviction_lock() as held:
             if not held:
                 return 0
@@ -719,12 +821,16 @@ class PlanStore:
         except OSError as err:
             logger.warning("plan cache: cannot delete %s (%s)", path, err)
             return False
+        with self._index_lock:
+            if self._index is not None:
+                self._index.drop(os.fspath(path))
         return True
 
     def clear(self) -> int:
         """Remove every record, stale temp file and quarantined file; the number of records removed. Only
         names this store writes are deleted, and only in a root marked a cache (else NotACacheError)."""
         self.check_marked()
+        self._forget_sizes()
         entries, _ = self._scan(sweep_before=time.time() - self._stale_temp_age)
         entries = [e for e in entries if _own_record(e.path)]
         removed, failed = 0, None

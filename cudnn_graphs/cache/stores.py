@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from .. import config
+from ..errors import SpecError
 
 log = logging.getLogger("cudnn_graphs")
 
@@ -65,6 +66,9 @@ def open_remote(remote: Any = None):
         return remote
     if remote is not None and not isinstance(remote, str):
         raise TypeError(f"remote={remote!r}: expected None, False, a redis:// URL or a plan_cache.RemoteStore")
+    if remote is not None and not remote.strip().lower().startswith(config.REMOTE_SCHEMES):
+        raise SpecError("remote", redact_url(remote), f"expected None, False, a URL starting with one of "
+                        f"{list(config.REMOTE_SCHEMES)} or a plan_cache.RemoteStore")
     url = remote if remote is not None else config.remote_cache_url()
     if url is None:
         return None

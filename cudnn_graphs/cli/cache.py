@@ -24,11 +24,11 @@ from plan_cache.bundle import CorruptBundleError, export_bundle, import_bundle
 from .. import config
 from ..cache.policy import importable, keep_stored, key_matches
 from ..environment import NO_GPU, environment
-from ..errors import CudnnGraphsError
+from ..errors import CudnnGraphsError, shown
 from ..plan.verify import verify_load
 from ..spec import SPEC_TYPES, spec_from_dict
 
-__all__ = ["add_cache_parser", "human_bytes", "parse_size", "run_cache"]
+__all__ = ["add_cache_parser", "device_option", "int_arg", "human_bytes", "parse_size", "run_cache"]
 
 _NEVER_TOUCH = 1e12  # seconds, the store's last-use throttle: opened with it, a get() never marks a record used
 _SHAPE_FIELDS = (("x_shape", "x"), ("w_shape", "w"), ("dy_shape", "dy"))
@@ -72,7 +72,7 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     verify = subs.add_parser("verify", parents=[common], help="check every record (and with a GPU, that it loads)")
     verify.add_argument("--load", action=argparse.BooleanOptionalAction, default=None,
                         help="also load each plan on the GPU (default: when a GPU and cuDNN are present)")
-    _device_option(verify)
+    device_option(verify)
     _json_option(verify)
     prune = subs.add_parser("prune", parents=[common], help="evict least recently used records down to a size")
     prune.add_argument("--max-bytes", type=parse_size, required=True, metavar="N",
@@ -87,13 +87,13 @@ def add_cache_parser(subparsers) -> argparse.ArgumentParser:
     imp.add_argument("file", help="bundle file to read")
     imp.add_argument("--all", action="store_true",
                      help="import records made for any environment, not only for this machine")
-    _device_option(imp)
+    device_option(imp)
     push = subs.add_parser("push", parents=[common], help="copy local records to the remote cache (signed)")
     pull = subs.add_parser("pull", parents=[common], help="copy the remote cache's records here (verified)")
     for sub in (push, pull):
         sub.add_argument("--remote", metavar="URL", help="redis://host:port/db (default: $%s)" % config.REMOTE_CACHE)
     pull.add_argument("--all", action="store_true", help="pull records made for any environment, not only this machine's")
-    _device_option(pull)
+    device_option(pull)
     return cache
 
 
@@ -107,12 +107,30 @@ def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _device_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+def device_option(parser: argparse.ArgumentParser) -> None:
+    """`--device I`: a GPU ordinal, >= 0 (a negative one is a usage error, not device 0's fingerprint)."""
+    parser.add_argument("--device", type=int_arg(0, "a GPU ordinal (an integer >= 0)"), default=0,
+                        help="GPU ordinal (default 0)")
+
+
+def int_arg(minimum: int, what: str = "an integer"):
+    """An argparse type: an integer >= `minimum`; a message that quotes a 5000-digit value quotes it bounded."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return value
+
+    return parse
 
 
 _NO_CREATE = ("ls", "stats", "verify", "export", "push", "prune", "clear")  # only import and pull create a cache
 _OPEN_READ_ONLY = ("ls", "stats")  # as a system tier is opened: they can list a root-owned one too
+_OPEN_LATE = ("import", "pull")  # given an opener: the cache is created once the bundle or the remote proved usable
 
 
 def run_cache(args: argparse.Namespace) -> int:
@@ -121,6 +139,8 @@ def run_cache(args: argparse.Namespace) -> int:
         root = _root(args)
         if args.cache_command in _NO_CREATE and not os.path.lexists(root):
             return _no_cache(root, args)
+        if args.cache_command in _OPEN_LATE:
+            return _COMMANDS[args.cache_command](functools.partial(_open_late, root), args)
         store = _open_store(root, read_only=args.cache_command in _OPEN_READ_ONLY)
         return _COMMANDS[args.cache_command](store, args)
     except CorruptBundleError as err:
@@ -171,6 +191,15 @@ def _fail(message: str, code: int) -> int:
 
 def _open_store(root, *, read_only: bool = False) -> PlanStore:
     return PlanStore(root, max_bytes=config.cache_max_bytes(), touch_interval=_NEVER_TOUCH, read_only=read_only)
+
+
+def _open_late(root) -> PlanStore:
+    """The store for import and pull, opened (and created) only when there is something to write: its
+    OSError (an untrusted root) is the cache's trouble, never taken for the bundle's or the remote's."""
+    try:
+        return _open_store(root)
+    except OSError as err:
+        raise _Exit(str(err)) from None
 
 
 # --- reading records without side effects --------------------------------------------------------------------
@@ -548,11 +577,11 @@ def _resolve_keys(store: PlanStore, wanted: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _import(store: PlanStore, args) -> int:
+def _import(open_store, args) -> int:
     env = None if args.all else environment(args.device)
     accept = functools.partial(importable, env=env)
     try:
-        report = import_bundle(store, args.file, accept=accept, keep_existing=keep_stored)
+        report = import_bundle(open_store, args.file, accept=accept, keep_existing=keep_stored)
     except OSError as err:
         raise _Exit(f"cannot read {args.file}: {err.strerror or err}") from None
     print(_table(["IMPORT", "RECORDS"], [
@@ -607,12 +636,37 @@ def _push(store: PlanStore, args) -> int:
             counts["unreadable here, skipped"] += 1
         elif not key_matches(row.record):
             counts["skipped: key not its own"] += 1
-        elif remote.put(row.record, keep_existing=keep_stored):
-            counts["pushed"] += 1
         else:
-            counts["not pushed: the remote's is autotuned, or the remote failed"] += 1
+            counts[_push_one(remote, row.record)] += 1
     print(_table(["PUSH", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pushed", 0]], right=(1,)))
+    failed = counts[_NOT_WRITTEN_THERE]
+    if failed:
+        raise _Exit(f"remote cache {remote.url}: {_plural(failed, 'record')} not written (the warning above says "
+                    "why: a read-only replica, a full server, a server that failed)", 1)
     return 0
+
+
+_NOT_WRITTEN_THERE = "not pushed: the remote refused or failed the write"
+_NOT_WRITTEN_HERE = "not written here (the warning above says why)"
+
+
+def _push_one(remote, record: PlanRecord) -> str:
+    kept = _Kept(keep_stored)
+    if remote.put(record, keep_existing=kept):
+        return "pushed"
+    return "not pushed: the remote's is autotuned" if kept.kept else _NOT_WRITTEN_THERE
+
+
+class _Kept:
+    """A keep_existing callback that remembers whether it kept the stored record: a put that returns False
+    was either kept (fine) or failed (a problem), and only this tells which."""
+
+    def __init__(self, keep):
+        self.keep, self.kept = keep, False
+
+    def __call__(self, *records: PlanRecord) -> bool:
+        self.kept = bool(self.keep(*records))
+        return self.kept
 
 
 _NOT_PULLED = {"refused": "refused: unsigned or signed with another key", "corrupt": "refused: damaged",
@@ -621,23 +675,33 @@ _NOT_PULLED = {"refused": "refused: unsigned or signed with another key", "corru
                "miss": "skipped: deleted while pulling", "failed": "not read: the remote failed (see the warning)"}
 
 
-def _pull(store: PlanStore, args) -> int:
+_PROBLEMS = (_NOT_PULLED["refused"], _NOT_PULLED["corrupt"], _NOT_PULLED["failed"], _NOT_WRITTEN_HERE)
+
+
+def _pull(open_store, args) -> int:
     remote = _remote(args.remote)
     _reachable(remote)
     env = None if args.all else environment(args.device)
     counts = Counter()
-    for key in _listed_keys(remote, counts):
+    keys = _listed_keys(remote, counts)
+    store = open_store()
+    for key in keys:
         record, outcome = remote.fetch(key)
         if record is None:
             counts[_NOT_PULLED[outcome]] += 1
         elif not importable(record, env):
             counts["skipped: for another environment, made with no GPU, or a key not its own"] += 1
-        elif store.put(record, keep_existing=functools.partial(keep_stored, record)):
-            counts["pulled"] += 1
         else:
-            counts["kept the local record (it was autotuned)"] += 1
+            counts[_pull_one(store, record)] += 1
     print(_table(["PULL", "RECORDS"], [[k, v] for k, v in sorted(counts.items())] or [["pulled", 0]], right=(1,)))
-    return 1 if counts[_NOT_PULLED["failed"]] else 0
+    return 1 if any(counts[problem] for problem in _PROBLEMS) else 0
+
+
+def _pull_one(store: PlanStore, record: PlanRecord) -> str:
+    kept = _Kept(functools.partial(keep_stored, record))
+    if store.put(record, keep_existing=kept):
+        return "pulled"
+    return "kept the local record (it was autotuned)" if kept.kept else _NOT_WRITTEN_HERE
 
 
 def _listed_keys(remote, counts: Counter) -> list[str]:

@@ -15,11 +15,19 @@ from ..errors import CudnnGraphsError, SpecError
 from ..recording import read_spec_file
 from ..signature import signature
 from ..spec import spec_from_dict
-from .cache import add_cache_parser, run_cache
+from .cache import add_cache_parser, device_option, int_arg, run_cache
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on standard error, as docs/cli.md promises, not the whole usage block.
+    Subcommands' parsers are of this class too (add_subparsers makes them of the parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="cudnn-graphs",
         description="Turn convolution op specs into cuDNN graphs and cache their plans on disk.",
         epilog="Exit status: 0 done; 1 problems found; 2 usage or configuration error; 130 interrupted; "
@@ -28,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"cudnn-graphs {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     env = sub.add_parser("env", help="print the environment fingerprint and configuration as JSON")
-    env.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+    device_option(env)
     check = sub.add_parser(
         "check", help="validate spec files (JSON Lines of spec.to_dict()), build their graphs, print signatures")
     check.add_argument("specfile", nargs="+", help="JSON Lines file; '-' reads standard input")
@@ -41,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor_help = ("check this machine: GPU, driver, libcudnn, frontend, configuration, cache directory, remote "
                    "cache; exit 1 with the fix when something is wrong")
     doctor = sub.add_parser("doctor", help=doctor_help, description=doctor_help[0].upper() + doctor_help[1:] + ".")
-    doctor.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+    device_option(doctor)
     return p
 
 
@@ -66,7 +74,7 @@ def _add_warmup_parser(sub) -> None:
                    help="time every candidate plan and store the fastest (upgrades heuristic records)")
     w.add_argument("--autotune-limit", type=_positive_int, default=None, metavar="N",
                    help="time at most N candidates per graph")
-    w.add_argument("--device", type=int, default=0, help="GPU ordinal (default 0)")
+    device_option(w)
     w.add_argument("--devices", metavar="all|I,J,...", help="spread the specs over these GPUs, one worker process "
                    "each, all writing one cache (identical GPUs share every record)")
     w.add_argument("--cache", metavar="DIR", help="cache directory (default: $CUDNN_GRAPHS_CACHE_DIR or the user "
@@ -102,14 +110,7 @@ def _layout_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(err.reason) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+_positive_int = int_arg(1)
 
 
 def _check(args) -> int:
@@ -196,8 +197,7 @@ def _run(parser: argparse.ArgumentParser, args) -> int:
         from .warmup import run_warmup
 
         return run_warmup(args)
-    parser.print_help()
-    return 0
+    parser.error("name a command: env, doctor, check, warmup or cache")
 
 
 def _drop_stdout() -> None:

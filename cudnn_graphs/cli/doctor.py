@@ -70,6 +70,18 @@ def _configuration(args) -> tuple[str, str]:
 
 
 def _cache(args) -> tuple[str, str]:
+    status, detail = _cache_dir(args)
+    if status == "FAIL" or config.CACHE_DIR in config.problems() or config.cache_disabled():
+        return status, detail
+    root = config.cache_dir()
+    if root.is_absolute():
+        return status, detail
+    # Each process resolves it against its own working directory: ranks started elsewhere share nothing
+    return "warn", (f"{detail}; {config.CACHE_DIR}={os.fspath(root)!r} is relative: a process started in another "
+                    f"directory uses another cache. Fix: set it to an absolute path ({os.path.abspath(root)})")
+
+
+def _cache_dir(args) -> tuple[str, str]:
     problems = config.problems()
     if config.CACHE_DIR in problems or config.DISABLE_CACHE in problems:
         return "FAIL", "see configuration"

@@ -159,7 +159,14 @@ def _dry_run(sources: list[SpecSource], args) -> None:
         return
     for source in sources:
         print(f"{signature(source.spec, env)[:16]}  {describe_spec(source.spec)}  ({source.where})")
-    print(f"{len(sources)} specs; signatures for {env.gpu_name}, cuDNN {env.cudnn_backend_version}", file=sys.stderr)
+    print(f"{len(sources)} specs; {_signatures_for(env)}", file=sys.stderr)
+
+
+def _signatures_for(env) -> str:
+    if env.has_gpu:
+        return f"signatures for {env.gpu_name}, cuDNN {env.cudnn_backend_version}"
+    return ("signatures for this machine, which has no GPU: no GPU's plans have them (--target-env FILE gives "
+            "another machine's, from the JSON `cudnn-graphs env` printed there)")
 
 
 def _plan_all(sources: list[SpecSource], args) -> Summary:

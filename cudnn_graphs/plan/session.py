@@ -21,6 +21,7 @@ from ..errors import UnsupportedGraphError
 from ..graph import build_graph, frontend
 from ..signature import signature
 from ..spec import dtypes
+from ..spec.specs import flag
 from . import resident
 from .handles import HandlePool, require_gpu
 from .parts import kernel_part, notes_source, scalar_arrays
@@ -69,10 +70,11 @@ class Session:
                                                 not isinstance(max_workspace_bytes, int) or max_workspace_bytes < 0):
             raise ValueError(f"max_workspace_bytes={max_workspace_bytes!r}: expected None or an int >= 0")
         self.device = device_ordinal(device)
-        self.deterministic = bool(deterministic)
-        self.allow_tf32 = bool(allow_tf32)
+        # Flags are taken as given, never bool()ed: bool("no") is True
+        self.deterministic = flag("deterministic", deterministic)
+        self.allow_tf32 = flag("allow_tf32", allow_tf32)
         self.max_workspace_bytes = max_workspace_bytes
-        self.fuse = bool(fuse)
+        self.fuse = flag("fuse", fuse)
         self.env = environment(self.device, deterministic=self.deterministic, allow_tf32=self.allow_tf32)
         self.handles = HandlePool.for_device(self.device)
         self._counts = dict.fromkeys(_COUNTERS, 0)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..cache import keep_stored, open_remote, open_store, open_system_store
 from ..cache.policy import for_machine, key_matches
+from . import remote_writes
 
 log = logging.getLogger("cudnn_graphs")
 
@@ -74,28 +75,18 @@ class Tiers:
             _write_through(self.remote, record, self.count)
 
 
-_writer: list = []  # the process's one remote-writer thread, started on first use
-_writer_lock = threading.Lock()
-
-
 def _write_through(remote, record, count) -> None:
-    """Write `record` to `remote` on a background thread: the caller never waits for the network; a
-    record never replaces a better one there (checked atomically by the store)."""
-    if not _writer:
-        with _writer_lock:
-            if not _writer:
-                from concurrent.futures import ThreadPoolExecutor
-
-                _writer.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cudnn-graphs-remote"))
+    """Write `record` to `remote` on the writer thread (`remote_writes`: bounded queue, bounded exit): the
+    caller never waits for the network; a record never replaces a better one there (checked atomically)."""
 
     def write() -> None:
         if remote.put(record, keep_existing=keep_stored):
             count("remote_writes")
 
-    _writer[0].submit(write)
+    remote_writes.submit(write)
 
 
-def flush_remote_writes(timeout: float | None = None) -> None:
-    """Wait until every remote write queued so far is done (the CLI and tests; never needed on a hot path)."""
-    if _writer:
-        _writer[0].submit(lambda: None).result(timeout=timeout)
+def flush_remote_writes(timeout: float | None = None) -> bool:
+    """Wait until every remote write queued so far is done (the CLI and tests; never needed on a hot path);
+    False when `timeout` seconds passed first."""
+    return remote_writes.flush(timeout)

@@ -118,7 +118,8 @@ class _ConvSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _flag(field_name: str, value: Any) -> bool:
+def flag(field_name: str, value: Any) -> bool:
+    """`value` if it is True or False, else SpecError naming the field (bool("no") is True: never cast)."""
     if not isinstance(value, bool):
         raise SpecError(field_name, value, "expected True or False")
     return value
@@ -147,15 +148,15 @@ class ConvFwdSpec(_ConvSpec):
         self._set("x_shape", x)
         self._set("w_shape", w)
         self._normalize_common(x, w)
-        self._set("bias", _flag("bias", self.bias))
-        self._set("residual", _flag("residual", self.residual))
+        self._set("bias", flag("bias", self.bias))
+        self._set("residual", flag("residual", self.residual))
         self._set("activation", as_activation("activation", self.activation))
         self._set("alpha", finite_number("alpha", self.alpha))
         self._set("beta", finite_number("beta", self.beta))
         if not self.residual and self.beta != 1.0:
             raise SpecError("beta", self.beta, "beta scales the residual z: set residual=True or leave beta=1.0")
         self._set("prologue", _prologue(self.prologue))
-        self._set("stats", _flag("stats", self.stats))
+        self._set("stats", flag("stats", self.stats))
         if self.stats and self.has_epilogue:  # the unfused build's epilogue part has no statistics
             raise SpecError("stats", True, "statistics are of the plain conv output: use them without bias, "
                             "residual, activation or alpha")
@@ -208,7 +209,7 @@ class ConvBwdDataSpec(_ConvSpec):
             self._set(name, value)
         self._normalize_common(x, w)
         self._set("activation_backward", as_activation("activation_backward", self.activation_backward))
-        self._set("residual", _flag("residual", self.residual))
+        self._set("residual", flag("residual", self.residual))
         _check_dy(self, dy, _output_shape(self, x, w, "x_shape"))
         self._normalize_strides({role: len(x) for role in self.stride_roles})
         self._check_explicit_strides(self.tensors())
@@ -251,7 +252,7 @@ class ConvBwdFilterSpec(_ConvSpec):
         for name, value in (("x_shape", x), ("w_shape", w), ("dy_shape", dy)):
             self._set(name, value)
         self._normalize_common(x, w)
-        self._set("bias_grad", _flag("bias_grad", self.bias_grad))
+        self._set("bias_grad", flag("bias_grad", self.bias_grad))
         self._set("prologue", _prologue(self.prologue))
         _check_dy(self, dy, _output_shape(self, x, w, "x_shape"))
         self._normalize_strides({role: len(x) for role in self.stride_roles})

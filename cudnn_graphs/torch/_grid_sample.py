@@ -73,9 +73,16 @@ def grid_sample(input: torch.Tensor, grid: torch.Tensor, mode: str = "bilinear",
         warnings.warn(_ALIGN_WARNING, stacklevel=2)
         align_corners = False
     if not (input.is_cuda and grid.is_cuda):
+        # torch's CPU op would raise its own RuntimeError (5-D bicubic): the same checks, the same SpecError
+        _kernels.geometry(input.shape, grid.shape, _dtype_name(input), _dtype_name(grid), mode=mode,
+                          padding_mode=padding_mode, align_corners=align_corners)
         cpu_once("grid_sample", input, grid)
         return F.grid_sample(input, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
     return _GridSampleFunction.apply(input, grid, mode, padding_mode, bool(align_corners), bool(deterministic))
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 class GridSample(torch.nn.Module):
