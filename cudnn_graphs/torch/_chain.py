@@ -166,7 +166,7 @@ class Chain:
         if residual is not None and self.branch is not None:
             raise ValueError("residual: a run with a downsample branch computes its own residual; got a tensor")
         # torch.func transforms (grad, vmap, jacrev ...) need rules our node does not have: the modules compute
-        unfused = self._hooked() or torch._C._are_functorch_transforms_active() or not torch._C._get_cudnn_enabled()
+        unfused = self._hooked() or torch._C._are_functorch_transforms_active() or not _chains_run()
         program = None if unfused else self._prepared(x, residual)
         if program is None:
             return self.unfused(x, residual)
@@ -295,6 +295,12 @@ def _unsupported(chain: Chain, x, residual, dtype) -> str | None:
     if any(not st.relu for st in chain.stages[:-1]):
         return "a stage before the last has no ReLU (cuDNN's prologue is relu(x * scale + shift) only)"
     return None
+
+
+def _chains_run() -> bool:
+    """Whether fused runs may serve this call: not while torch.compile traces (it traces the run's operations;
+    a run's planning is Python it cannot trace), not with torch's cuDNN disabled."""
+    return not torch.compiler.is_compiling() and torch._C._get_cudnn_enabled()  # dynamo can't trace the getter
 
 
 REPLACED = "a module it holds was replaced after convert (the owner's own forward runs; convert a fresh model to fuse it)"

@@ -39,10 +39,10 @@ from gpu_launch.activations import Activation
 
 from ._chain import Chain, moved, places
 from ._conv import Conv1d, Conv2d, Conv3d
-from ._graph import TraceFailed, View, call_sites, install, is_leaf, trace, traced_modules
+from ._graph import TraceFailed, View, install, is_leaf, survey, trace, traced_modules
 from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
                          why_not_convnext_block)
-from ._nodes import run_node
+from ._nodes import RUNNERS
 from ._preact import PreActivation
 from ._se import squeeze_excitation, squeeze_excitation_forward
 from .rules import rules_for
@@ -121,7 +121,7 @@ _TRAIN_CONVS = {"torch": "torch's convolution (its C++ autograd node)",
 
 
 def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool = True,
-            train_convs: str = "torch") -> nn.Module:
+            train_convs: str = "torch", under_compile: str = "trace") -> nn.Module:
     """`model` with its convolutions on cuDNN graphs (in place); the report is `model.cudnn_graphs_report`.
 
     `fuse_batchnorm`: conv -> BatchNorm -> ReLU runs become one fused node each in training, and
@@ -132,6 +132,9 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
     this library's plans, which under `cudnn.benchmark` are autotuned once per machine and read from the
     plan cache (no timing in a job's first iteration) at more host time per step. Eval and no-grad calls
     run this library's plans either way. A converted model converted again is returned as it is.
+    `under_compile`: what torch.compile does with the fused nodes. "trace" (default): it traces their
+    operations, as it would the model's (whole graphs; fullgraph=True works). "fused": it breaks its graph
+    at each and calls it, fused, between its compiled graphs.
     Training conversion keeps torch's state_dict keys and Parameter objects: checkpoints load both ways
     (strict) and optimizers made before keep stepping it.
     Inference conversion folds BatchNorm into new weights: load a torch checkpoint before converting."""
@@ -141,6 +144,8 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
         raise TypeError(f"fuse_batchnorm: expected True or False, got {fuse_batchnorm!r}")
     if train_convs not in _TRAIN_CONVS:
         raise ValueError(f"train_convs: expected one of {sorted(_TRAIN_CONVS)}, got {train_convs!r}")
+    if under_compile not in RUNNERS:
+        raise ValueError(f"under_compile: expected one of {sorted(RUNNERS)}, got {under_compile!r}")
     if inference and model.training:
         raise ValueError("convert(inference=True) folds BatchNorm running statistics: call model.eval() first")
     existing = getattr(model, "cudnn_graphs_report", None)
@@ -157,7 +162,7 @@ def convert(model: nn.Module, *, inference: bool = False, fuse_batchnorm: bool =
             conv.torch_when_training = True
     _layer_norms(model, report)
     _squeeze_excitations(model, report)
-    _apply_rules(model, report, inference, fuse_batchnorm)
+    _apply_rules(model, report, inference, fuse_batchnorm, under_compile)
     model.cudnn_graphs_report = report
     return model
 
@@ -251,15 +256,15 @@ class _Forward:
 
 # -- rules on the traced graph -------------------------------------------------------------------------------
 
-def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fuse_batchnorm: bool) -> None:
+def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fuse_batchnorm: bool,
+                 under_compile: str) -> None:
     """The rules over every module whose forward traces, smallest first: a module's forward is rewritten
     where a rule took some of its operations, and stays the user's where none did. A training conversion
     traces each module twice: in training mode for the training rules, in eval mode for those that serve
     eval (each rewrite runs only in the mode it was traced in)."""
     if not fuse_batchnorm:
         return
-    opaque: dict = {}
-    lists: set = set()
+    opaque: dict | None = None
     names = {id(m): n for n, m in model.named_modules()}
     declined: dict = {}
     variants = [("eval", False, rules_for("inference"))] if inference else \
@@ -269,8 +274,8 @@ def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fu
         flags = [(m, m.training) for m in model.modules()]
         model.train(training)
         try:
-            if not opaque and not lists:
-                call_sites(model, opaque, lists)
+            if opaque is None:  # in the first mode's flags: a forward's branches on them are what it traces
+                opaque, lists = survey(model)
             for name, module in _post_order(model):
                 if id(module) in opaque:
                     if _fusable_inside(module) and tag == variants[0][0]:
@@ -278,7 +283,7 @@ def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fu
                     continue
                 if is_leaf(module) or id(module) in lists or not _fusable_inside(module):
                     continue  # a module called with non-tensors is left to its caller's trace
-                _rewrite(module, name, rules, set(opaque), report, names, declined, tag)
+                _rewrite(module, name, rules, set(opaque), report, names, declined, tag, RUNNERS[under_compile])
         finally:
             for m, flag in flags:
                 m.training = flag
@@ -312,7 +317,7 @@ def _fusable_inside(module: nn.Module) -> bool:
 
 
 def _rewrite(module: nn.Module, name: str, rules: list, leaves: set, report: ConversionReport, names: dict,
-             declined: dict, tag: str) -> None:
+             declined: dict, tag: str, runner) -> None:
     try:
         view = View(module, name, trace(module, leaves, tag))
         found = _matches(view, rules, declined)
@@ -333,7 +338,8 @@ def _rewrite(module: nn.Module, name: str, rules: list, leaves: set, report: Con
     for i, (f, node) in enumerate(zip(found, nodes)):
         attr = f"_cudnn_graphs_{tag}_{f.rule.name}_{i}"
         setattr(module, attr, node)
-        now[f.output] = _replace_nodes(view.graph, f, attr, tuple(now.get(a, a) for a in f.rule.call_args(f)))
+        now[f.output] = _replace_nodes(view.graph, f, attr, tuple(now.get(a, a) for a in f.rule.call_args(f)),
+                                       runner)
         _report(report, f, node, names)
         for n in f.nodes if f.rule.name == "conv_bn_run" else ():  # a pair declined in a smaller trace
             if n.op == "call_module":
@@ -362,12 +368,12 @@ def _matches(view: View, rules: list, declined: dict) -> list:
     return taken
 
 
-def _replace_nodes(graph, found, attr: str, args: tuple) -> None:
-    """The found nodes become one call of `attr` (a fused node held on the module)."""
+def _replace_nodes(graph, found, attr: str, args: tuple, runner) -> None:
+    """The found nodes become one call of `attr` (a fused node held on the module) through `runner`."""
     with graph.inserting_after(found.output):
         node = graph.get_attr(attr)
-    with graph.inserting_after(node):  # through run_node: under torch.compile the node runs fused, not traced
-        new = graph.call_function(run_node, (node, *args))
+    with graph.inserting_after(node):
+        new = graph.call_function(runner, (node, *args))
     found.output.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
     for node in reversed(found.nodes):
         graph.erase_node(node)

@@ -49,7 +49,8 @@ class FoldedConv:
 
     def _serves(self) -> bool:
         bn = self.bn
-        if bn is not None and bn.training or torch._C._are_functorch_transforms_active():
+        if bn is not None and bn.training or torch._C._are_functorch_transforms_active() \
+                or torch.compiler.is_compiling():  # compile traces the operations (and folds them itself)
             return False
         if hooked([m for m in (self.conv, bn) if m is not None]):
             return False

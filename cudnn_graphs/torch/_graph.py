@@ -195,37 +195,25 @@ def add_operands(node: fx.Node) -> tuple | None:
 
 # -- use counts: which modules are called from exactly one place -------------------------------------------
 
-def call_sites(model: nn.Module, opaque: dict, lists: set[int]) -> dict[int, int]:
-    """id(module) -> how many places call it or read its tensors, over every module's own forward
-    (children kept as calls). A child of a module whose forward does not trace counts as used twice:
-    that forward may call it anywhere. Fills `opaque` (id -> why its forward does not trace) and `lists`
-    (modules some forward calls with a list or another non-tensor: a trace of theirs would take a tensor)."""
-    counts: dict[int, int] = {}
+def survey(model: nn.Module) -> tuple[dict, set]:
+    """Every module's own forward traced with its children kept as calls: (opaque, lists), `opaque` mapping
+    id(module) to why its forward does not trace, `lists` the ids of modules some forward calls with a list,
+    a keyword or another non-tensor (a trace of theirs takes tensors: their caller's trace serves them)."""
+    opaque: dict = {}
+    lists: set = set()
     for parent in model.modules():
-        children = list(parent._modules.values())
-        if id(parent) in opaque or isinstance(parent, torch.jit.ScriptModule):
-            for child in children:
-                if child is not None:
-                    counts[id(child)] = counts.get(id(child), 0) + 2
-            continue
-        if is_leaf(parent) and not children:
+        children = [c for c in parent._modules.values() if c is not None]
+        if isinstance(parent, torch.jit.ScriptModule) or is_leaf(parent) and not children:
             continue
         try:
-            graph = trace(parent, {id(c) for c in children if c is not None})
+            graph = trace(parent, {id(c) for c in children})
         except TraceFailed as err:
             opaque[id(parent)] = str(err)
-            for child in children:
-                if child is not None:
-                    counts[id(child)] = counts.get(id(child), 0) + 2
             continue
         for node in graph.nodes:
-            if node.op in ("call_module", "get_attr"):
-                path = node.target.split(".")
-                target = parent.get_submodule(".".join(path if node.op == "call_module" else path[:-1]))
-                counts[id(target)] = counts.get(id(target), 0) + 1
-                if node.op == "call_module" and (node.kwargs or any(not isinstance(a, fx.Node) for a in node.args)):
-                    lists.add(id(target))
-    return counts
+            if node.op == "call_module" and (node.kwargs or any(not isinstance(a, fx.Node) for a in node.args)):
+                lists.add(id(parent.get_submodule(node.target)))
+    return opaque, lists
 
 
 # -- the rewritten forward ----------------------------------------------------------------------------------

@@ -34,8 +34,16 @@ def outside_compile(fn: Callable) -> Callable:
 
 
 def run_node(node: Callable, *args):
-    """What a rewritten forward calls for a fused node: `node(*args)`, outside torch.compile's trace."""
+    """What a rewritten forward calls for a fused node: `node(*args)`. Under torch.compile dynamo traces
+    it, and the node, seeing `is_compiling()`, runs the traced operations: one graph, as compile(model)."""
     return node(*args)
 
 
-run_node = outside_compile(run_node)
+def run_fused(node: Callable, *args):
+    """`node(*args)` outside torch.compile's trace (`convert(under_compile="fused")`): a graph break, and the
+    node runs fused between compiled graphs."""
+    return node(*args)
+
+
+run_fused = outside_compile(run_fused)
+RUNNERS = {"trace": run_node, "fused": run_fused}

@@ -37,6 +37,20 @@ class Rule:
     modes: tuple[str, ...] = ()
 
     def match(self, view: View) -> Iterable[Found]:
+        """Each candidate in graph order; one it takes claims its nodes from later candidates."""
+        claimed: set = set(view.claimed)
+        index = {n: i for i, n in enumerate(view.graph.nodes)}
+        for node in view.graph.nodes:
+            found = None if node in claimed else self.found_at(view, node, claimed)
+            if found is None:
+                continue
+            found.nodes = sorted(set(found.nodes), key=index.__getitem__)
+            if self.why_not(found, view) is None:
+                claimed.update(found.nodes)
+            yield found
+
+    def found_at(self, view: View, node: fx.Node, claimed: set) -> Found | None:
+        """The candidate that starts at `node`, or None."""
         raise NotImplementedError
 
     def why_not(self, found: Found, view: View) -> str | None:

@@ -18,7 +18,7 @@ from .._chain import Chain, Stage, places, why_not_plain
 from .._conv import Conv2d
 from .._graph import View, add_operands, segment
 from . import Found, Rule, register
-from ._match import activation_at, batchnorm_at, conv_at, next_op
+from ._match import activation_at, batchnorm_at, conv_at, next_op, step
 
 # A run of one stage (conv -> BatchNorm [-> ReLU] feeding something else) saves no pass over memory and cost
 # host time: mobilenet_v3_large, efficientnet_b0 and regnet_y_800mf trained 0.87x, 0.88x and 0.97x as fast
@@ -51,15 +51,13 @@ def stage_at(view: View, node: fx.Node, claimed: set) -> _Stage | None:
     conv = conv_at(view, node)
     if conv is None or node in claimed:
         return None
-    taken: list = []
-    nxt = next_op(view, node, taken)
-    bn = None if nxt is None or nxt.args[:1] != ((taken or [node])[-1],) else batchnorm_at(view, nxt)
+    nxt, taken = step(view, node)
+    bn = None if nxt is None else batchnorm_at(view, nxt)
     if bn is None:
         return None
     nodes, end = [node, *taken, *bn.nodes], nxt
-    taken = []
-    after = next_op(view, nxt, taken)
-    act = None if after is None or after.args[:1] != ((taken or [nxt])[-1],) else activation_at(view, after)
+    after, taken = step(view, nxt)
+    act = None if after is None else activation_at(view, after)
     if act is not None:
         nodes += [*taken, after]
         end = after
@@ -75,9 +73,8 @@ def _run(view: View, first: fx.Node, claimed: set) -> Run | None:
         stages.append(st)
         if st.act is None:
             break
-        taken: list = []
-        node = next_op(view, st.end, taken)
-        if node is None or node.args[:1] != ((taken or [st.end])[-1],) or conv_at(view, node) is None:
+        node, taken = step(view, st.end)
+        if node is None or conv_at(view, node) is None:
             break
         st.nodes += taken
     if not stages:
@@ -103,9 +100,8 @@ def _residual(view: View, run: Run, claimed: set) -> None:
     last.end = add
     branch = _branch(view, other, run.x, claimed)
     run.branch, run.residual = branch, other
-    taken = []
-    after = next_op(view, add, taken)
-    act = None if after is None or after.args[:1] != ((taken or [add])[-1],) else activation_at(view, after)
+    after, taken = step(view, add)
+    act = None if after is None else activation_at(view, after)
     if act is not None:
         last.nodes += [*taken, after]
         last.end, last.act_module = after, view.called(after)
@@ -153,18 +149,12 @@ class ConvBatchNormRun(Rule):
     name = "conv_bn_run"
     modes = ("training",)
 
-    def match(self, view: View):
-        claimed: set = set(view.claimed)
-        for node in view.graph.nodes:
-            run = _run(view, node, claimed) if conv_at(view, node) is not None and node not in claimed else None
-            if run is None:
-                continue
-            nodes = [n for st in (*run.stages, *([run.branch] if run.branch else [])) for n in st.nodes]
-            found = Found(self, sorted(set(nodes), key=_order(view)), _inputs(run), run.stages[-1].end,
-                          _where(view, run), run)
-            if self.why_not(found, view) is None:
-                claimed.update(found.nodes)
-            yield found
+    def found_at(self, view: View, node: fx.Node, claimed: set) -> Found | None:
+        run = _run(view, node, claimed) if conv_at(view, node) is not None else None
+        if run is None:
+            return None
+        nodes = [n for st in (*run.stages, *([run.branch] if run.branch else [])) for n in st.nodes]
+        return Found(self, nodes, _inputs(run), run.stages[-1].end, _where(view, run), run)
 
     def why_not(self, found: Found, view: View) -> str | None:
         run: Run = found.data
@@ -211,11 +201,6 @@ def _where(view: View, run: Run) -> str:
     first = run.stages[0].nodes[0]
     whole = run.x.op == "placeholder" and all(u.op == "output" for u in run.stages[-1].end.users)
     return view.name if whole and view.name else view.qualified(first.target)
-
-
-def _order(view: View):
-    index = {n: i for i, n in enumerate(view.graph.nodes)}
-    return index.__getitem__
 
 
 def _slots(root: nn.Module, modules: list) -> list:

@@ -18,8 +18,8 @@ from .._chain import places
 from .._fold import FoldedConv
 from .._graph import View, add_operands, segment
 from . import Found, Rule, register
-from ._match import _OURS, activation_at, batchnorm_at, next_op
-from .conv_bn_run import _order, _slots
+from ._match import _OURS, activation_at, batchnorm_at, step
+from .conv_bn_run import _slots
 
 
 @dataclass
@@ -31,33 +31,24 @@ class Fold:
     x: fx.Node
 
 
-def _step(view: View, node: fx.Node) -> tuple:
-    """(the user of `node` past pass-throughs, those pass-throughs) where it reads `node`'s value first."""
-    taken: list = []
-    nxt = next_op(view, node, taken)
-    if nxt is None or nxt.args[:1] != ((taken or [node])[-1],):
-        return None, []
-    return nxt, taken
-
-
 def _fold_at(view: View, node: fx.Node, claimed: set) -> tuple | None:
     """(Fold, its nodes, its last node) for a conv call at `node`, else None."""
     conv = view.called(node)
     if type(conv) not in _OURS or node in claimed or len(node.args) != 1 or node.kwargs or _pre_activated(view, node):
         return None
     nodes, end, bn, act, residual = [node], node, None, None, None
-    nxt, taken = _step(view, end)
+    nxt, taken = step(view, end)
     got = None if nxt is None else batchnorm_at(view, nxt, eval_ok=True)
     if got is not None and not got.training:
         bn, end, nodes = got.module, nxt, nodes + taken + got.nodes
-        nxt, taken = _step(view, end)
+        nxt, taken = step(view, end)
     operands = None if nxt is None else add_operands(nxt)
     if operands is not None:
         last = (taken or [end])[-1]
         other = operands[1] if operands[0] is last else operands[0]
         if isinstance(other, fx.Node) and other is not last:
             residual, end, nodes = other, nxt, nodes + taken + [nxt]
-            nxt, taken = _step(view, end)
+            nxt, taken = step(view, end)
     a = None if nxt is None else activation_at(view, nxt)
     if a is not None and a.epilogue() is not None:
         act, end, nodes = a, nxt, nodes + taken + [nxt]
@@ -87,19 +78,13 @@ class FoldBatchNorm(Rule):
     name = "fold_bn"
     modes = ("inference",)
 
-    def match(self, view: View):
-        claimed: set = set(view.claimed)
-        for node in view.graph.nodes:
-            got = _fold_at(view, node, claimed)
-            if got is None:
-                continue
-            fold, nodes, end = got
-            inputs = [fold.x] if fold.residual is None else [fold.x, fold.residual]
-            found = Found(self, sorted(set(nodes), key=_order(view)), inputs, end,
-                          view.qualified(node.target), fold)
-            if self.why_not(found, view) is None:
-                claimed.update(found.nodes)
-            yield found
+    def found_at(self, view: View, node: fx.Node, claimed: set) -> Found | None:
+        got = _fold_at(view, node, claimed)
+        if got is None:
+            return None
+        fold, nodes, end = got
+        inputs = [fold.x] if fold.residual is None else [fold.x, fold.residual]
+        return Found(self, nodes, inputs, end, view.qualified(node.target), fold)
 
     def why_not(self, found: Found, view: View) -> str | None:
         fold: Fold = found.data

@@ -8,23 +8,21 @@ from .._chain import places
 from .._graph import View, segment
 from .._preact import PreActivation, why_not_site
 from . import Found, Rule, register
-from ._match import _OURS, activation_at, batchnorm_at, next_op
-from .conv_bn_run import _order, _slots
+from ._match import _OURS, activation_at, batchnorm_at, step
+from .conv_bn_run import _slots
 
 
 def _site_at(view: View, node, claimed: set):
     bn = batchnorm_at(view, node)
-    if bn is None or node in claimed:
+    if bn is None:
         return None
-    taken: list = []
-    act_node = next_op(view, node, taken)
-    act = None if act_node is None or act_node.args[:1] != ((taken or [node])[-1],) else activation_at(view, act_node)
+    act_node, taken = step(view, node)
+    act = None if act_node is None else activation_at(view, act_node)
     if act is None:
         return None
-    more: list = []
-    conv_node = next_op(view, act_node, more)
+    conv_node, more = step(view, act_node)
     conv = None if conv_node is None else view.called(conv_node)
-    if type(conv) not in _OURS or conv_node.args[:1] != ((more or [act_node])[-1],) or len(conv_node.args) != 1:
+    if type(conv) not in _OURS or len(conv_node.args) != 1:
         return None
     nodes = [*bn.nodes, *taken, act_node, *more, conv_node]
     return (bn.module, act, view.called(act_node), conv), nodes, conv_node
@@ -35,18 +33,12 @@ class PreActivationRule(Rule):
     name = "preact"
     modes = ("training", "inference")
 
-    def match(self, view: View):
-        claimed: set = set(view.claimed)
-        for node in view.graph.nodes:
-            got = _site_at(view, node, claimed)
-            if got is None:
-                continue
-            parts, nodes, end = got
-            found = Found(self, sorted(set(nodes), key=_order(view)), [node.args[0]], end,
-                          view.qualified(end.target), parts)
-            if self.why_not(found, view) is None:
-                claimed.update(found.nodes)
-            yield found
+    def found_at(self, view: View, node, claimed: set) -> Found | None:
+        got = _site_at(view, node, claimed)
+        if got is None:
+            return None
+        parts, nodes, end = got
+        return Found(self, nodes, [node.args[0]], end, view.qualified(end.target), parts)
 
     def why_not(self, found: Found, view: View) -> str | None:
         bn, act, _, conv = found.data
