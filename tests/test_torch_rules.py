@@ -190,6 +190,22 @@ def test_a_forward_that_does_not_trace_keeps_running_with_the_reason():
     _same_training_step(ours, net, torch.randn(2, 4, 6, 6, dtype=torch.float64))
 
 
+def test_a_forward_that_counts_its_calls_keeps_its_own_forward():
+    class Counting(FunctionalBlock):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    net = _randomise(nn.Sequential(nn.Conv2d(3, 4, 1, bias=False), Counting(4)))
+    ours = cgt.convert(copy.deepcopy(net))
+    assert ours[1].calls == 0 and "changes the attribute 'calls'" in dict(ours.cudnn_graphs_report.untraced)["1"]
+    _same_training_step(ours, net, torch.randn(2, 3, 6, 6, dtype=torch.float64))
+    assert ours[1].calls == net[1].calls == 1
+
+
 def test_a_plain_attribute_changed_after_convert_runs_the_modules_own_forward():
     class Optional(nn.Module):
         def __init__(self):

@@ -86,8 +86,10 @@ def is_leaf(m: nn.Module) -> bool:
 
 def trace(module: nn.Module, leaves: set[int] = frozenset(), tag: str | None = None) -> fx.Graph:
     """`module`'s forward as a graph over its submodules (TraceFailed where fx cannot). Tracing runs the
-    forward's Python: a plain tensor attribute it updates in place is put back afterwards."""
+    forward's Python: a plain tensor attribute it updates in place is put back afterwards, and a forward
+    that changes a module's plain attributes (a call counter) fails: its graph would not do it again."""
     saved = [(t, t._version, t.detach().clone()) for t in _small_tensors(module)]
+    plain = _plain_state(module)
     try:
         graph = _Tracer(set(leaves), tag).trace(module)
     except Exception as err:  # fx raises TraceError, TypeError, AttributeError ... from the user's forward
@@ -97,8 +99,29 @@ def trace(module: nn.Module, leaves: set[int] = frozenset(), tag: str | None = N
             for t, version, value in saved:
                 if t._version != version:
                     t.copy_(value)
+        changed = _restore(plain)
+    if changed:
+        raise TraceFailed(f"its forward changes the attribute {changed!r}: a traced graph would not")
     _drop_checks(graph)
     return graph
+
+
+def _plain_state(module: nn.Module) -> list:
+    """(module's __dict__, its plain attributes) of every module below `module`."""
+    return [(vars(m), {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN)}) for m in module.modules()]
+
+
+def _restore(plain: list) -> str | None:
+    """Put the plain attributes back as `_plain_state` saw them; the name of one that had changed, or None."""
+    changed = None
+    for state, before in plain:
+        now = {k: v for k, v in state.items() if isinstance(v, _PLAIN)}
+        if now != before:
+            changed = changed or next(k for k in now.keys() | before.keys() if now.get(k, _MISSING) != before.get(k, _MISSING))
+            for k in now.keys() - before.keys():
+                del state[k]
+            state.update(before)
+    return changed
 
 
 def _small_tensors(module: nn.Module) -> list[torch.Tensor]:
