@@ -21,7 +21,7 @@ from typing import Iterator
 from plan_cache._files import NoFollowLock
 
 from . import _json, config
-from .errors import ConfigError
+from .errors import ConfigError, SpecError
 
 log = logging.getLogger("cudnn_graphs")
 _lock = threading.Lock()
@@ -212,7 +212,12 @@ def _canonical(text: str) -> str | None:
 
 @contextlib.contextmanager
 def record(path: str | os.PathLike[str]) -> Iterator[Recorder]:
-    """Within the block, every spec any session plans (memory hits aside) is appended to `path`."""
+    """Within the block, every spec any session plans (memory hits aside) is appended to `path`
+    (SpecError for a path starting with ~ of a user this system does not know)."""
+    try:
+        Path(path).expanduser()
+    except RuntimeError:  # refused here, typed: Recorder would make a literal '~nouser' directory
+        raise SpecError("path", os.fspath(path), "starts with ~ naming a user this system does not know") from None
     recorder = Recorder(path)
     with _lock:
         _active.append(recorder)

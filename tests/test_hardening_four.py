@@ -442,3 +442,15 @@ def test_grid_sample_geometry_refuses_a_dimension_that_is_no_integer(shapes):
     with pytest.raises(cg.SpecError) as err:
         gs.geometry(*shapes, "float32", "float32")
     assert err.value.field in ("input_shape", "grid_shape")
+
+
+def test_record_of_an_unknown_users_home_is_a_spec_error_naming_the_path(tmp_path, monkeypatch):
+    """cg.record("~nouser/...") is refused at once, typed, and makes no '~nouser' directory here."""
+    from cudnn_graphs.errors import SpecError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError) as err:
+        with cg.record("~no_such_user_cudnn_graphs/specs.jsonl"):
+            pass
+    assert err.value.field == "path" and "~no_such_user_cudnn_graphs" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
