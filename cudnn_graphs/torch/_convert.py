@@ -1,30 +1,20 @@
-"""`convert(model)`: every torch.nn.Conv1d/2d/3d of a model becomes ours, in place.
+"""`convert(model)`: every torch.nn.Conv1d/2d/3d of a model becomes ours, in place, and the fusion rules
+(`rules/`) run over each module's traced graph.
 
     model = cudnn_graphs.torch.convert(model)                        # training: parameters shared
     model = cudnn_graphs.torch.convert(model.eval(), inference=True)  # BatchNorm folded, epilogues fused
     print(model.cudnn_graphs_report)
 
-Training: conv -> BatchNorm2d -> ReLU runs (torchvision's BasicBlock and Bottleneck bodies with their
-residual add and their downsample's conv -> BatchNorm, and runs inside an nn.Sequential) run as one
-fused autograd node each (`_chain.py`), where the call allows it (float16 or AMP float16, channels_last,
-training mode); elsewhere the modules' own forward runs. `fuse_batchnorm=False` keeps torch's BatchNorm.
-A conv outside a fused run calls torch's own convolution where a gradient is wanted (`train_convs`).
-
-Training: each conv keeps its Parameter objects (an optimizer made before still steps them); a conv
-used in two places stays one module, and one under torch.nn.utils.parametrize (weight_norm ...) keeps
-its parametrizations.
-Inference (eval mode): a BatchNorm right after a conv, in an nn.Sequential or in torchvision's
-ResNet blocks, is folded into the conv's weight and bias (new tensors: the report says "copied"),
-a following activation becomes the conv's fused epilogue, and in torchvision's BasicBlock and
-Bottleneck the residual add and ReLU fuse into the last conv. What cannot be converted (transposed
-or lazy convs, subclasses with their own forward) stays torch and is listed with the reason.
-Both modes: a BatchNorm2d -> ReLU in front of a conv (DenseNet's layers and transitions, such
-slots in an nn.Sequential) runs in eval, with no gradient wanted, as one cuDNN graph with the
-BatchNorm and ReLU as the conv's prologue (`_preact.py`); its modules stay where they were. Where no
-gradient is wanted, nn.LayerNorm and torchvision's LayerNorm2d run on this library's LayerNorm kernel,
-and torchvision's ConvNeXt block in fewer passes over memory (`_layernorm.py`). Inside a CUDA-graph
-capture, torchvision's SqueezeExcitation multiplies its scale into a channels-last map on this library's
-kernels, forward and backward (`_se.py`).
+What is fused is decided by what a module's forward computes (`_graph.trace`), never by class or attribute
+names: conv -> BatchNorm -> ReLU runs with their residual in training (`rules/conv_bn_run.py`), eval
+BatchNorm folded into a copy of the conv's weights with its activation and residual add as the epilogue
+(`rules/fold.py`), BatchNorm -> ReLU -> conv as the conv's prologue in eval (`rules/preact.py`). A module
+a rule took runs its rewritten graph while the trace holds (`_graph.GraphForward`) and its own forward
+otherwise; a module no rule took keeps its forward. Where no gradient is wanted, nn.LayerNorm and
+torchvision's LayerNorm2d run on this library's LayerNorm kernel and torchvision's ConvNeXt block in fewer
+passes (`_layernorm.py`); inside a CUDA-graph capture torchvision's SqueezeExcitation multiplies its scale
+on this library's kernels (`_se.py`). What cannot be converted (transposed or lazy convs, subclasses with
+their own forward, TorchScript) stays torch's and is listed with the reason.
 """
 
 from __future__ import annotations
@@ -291,9 +281,6 @@ def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fu
     report.no_prologue = [(w, why) for (rule, w), why in declined.items() if rule == "preact"]
     for (rule, where), why in declined.items():
         report.rules.setdefault(rule, []).append((where, why))
-
-
-_BATCHNORM_RULES = ("conv_bn_run", "preact", "fold_bn")
 
 
 def _post_order(model: nn.Module) -> list:

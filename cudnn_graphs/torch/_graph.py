@@ -158,7 +158,7 @@ class View:
     root: nn.Module
     name: str  # the root's qualified name in the model ("" for the model)
     graph: fx.Graph
-    uses: dict = field(default_factory=dict)  # id(module) -> call sites in the whole model (`Uses`)
+    claimed: set = field(default_factory=set)  # nodes an earlier rule took
 
     def module(self, target: str) -> nn.Module:
         return self.root.get_submodule(target)
