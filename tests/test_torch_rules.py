@@ -250,6 +250,28 @@ def test_a_module_called_with_a_list_is_rewritten_by_its_caller():
     _same_eval(ours, net, torch.randn(2, 4, 5, 5, dtype=torch.float64))
 
 
+def test_a_residual_torch_would_broadcast_or_promote_runs_as_torch_adds_it():
+    class Broadcast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.bias = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Parameter(torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            return F.relu(self.bn(self.conv(x)) + self.bias)  # (1, C, 1, 1): torch broadcasts it
+
+    net = _randomise(Broadcast()).eval()
+    ours = cgt.convert(copy.deepcopy(net), inference=True)
+    assert ours.cudnn_graphs_report.fused_residual == ["conv"]
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    _same_eval(ours, net, x)
+    for m in (net, ours):  # a float32 residual beside a float64 conv: torch promotes, the epilogue would not
+        m.bias.data = m.bias.data.float()
+    with torch.no_grad():
+        got, want = ours(x), net(x)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+
+
 def test_folded_weights_follow_the_modules_tensors():
     net = _randomise(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.SiLU())).eval()
     ours = cgt.convert(copy.deepcopy(net), inference=True)

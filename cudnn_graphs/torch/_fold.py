@@ -38,7 +38,8 @@ class FoldedConv:
         self._cast: tuple = ((), None)  # (versions and dtype, (weight, bias) in the autocast dtype)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        weights = self._weights(x) if self._serves() else None
+        fits = residual is None or _residual_fits(self.conv, x, residual)
+        weights = self._weights(x) if fits and self._serves() else None
         if weights is None:
             return self.unfused_fn(x) if residual is None else self.unfused_fn(x, residual)
         conv, padding = self.conv, self.conv.padding
@@ -109,6 +110,22 @@ class FoldedConv:
     def __setstate__(self, state: dict) -> None:
         self.__init__(*state["modules"], state["act"])
         self.unfused_fn, self.held = state["unfused_fn"], state["held"]
+
+
+def _residual_fits(conv: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether `+ residual` is an add of the conv's own shape and compute dtype: torch's add would broadcast
+    another shape and promote another dtype, which the epilogue does not."""
+    dtype = _autocast_dtype(x) if x.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+    if residual.dtype != (dtype or x.dtype) or x.dim() != conv.weight.dim():
+        return False
+    kernel, stride, dilation = conv.kernel_size, conv.stride, conv.dilation
+    if isinstance(conv.padding, str):
+        pads = [0] * len(kernel) if conv.padding == "valid" else None
+    else:
+        pads = list(conv.padding)
+    spatial = list(x.shape[2:]) if pads is None else [
+        (i + 2 * p - d * (k - 1) - 1) // s + 1 for i, p, d, k, s in zip(x.shape[2:], pads, dilation, kernel, stride)]
+    return tuple(residual.shape) == (x.shape[0], conv.out_channels, *spatial)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
