@@ -111,19 +111,28 @@ def step_ms(model, x, opt, rounds=5, steps=5):
     return times
 
 
+def _grad_err(a, b):
+    """(relative error of all gradients together, (worst parameter, its relative error)) of b against a."""
+    pairs = [(n, p.grad.float(), q.grad.float()) for (n, p), q in zip(a.named_parameters(), b.parameters())]
+    num = sum((g - h).square().sum() for _, g, h in pairs).sqrt()
+    den = sum(g.square().sum() for _, g, _ in pairs).sqrt()
+    worst = max(((n, ((g - h).norm() / (g.norm() + 1e-12)).item()) for n, g, h in pairs), key=lambda t: t[1])
+    return (num / den).item(), (worst[0], round(worst[1], 3))
+
+
 def check_cuda(name, make, batch):
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     ref = make().cuda().to(memory_format=torch.channels_last).train()
-    ours = cgt.convert(copy.deepcopy(ref))
+    twin, ours = copy.deepcopy(ref), cgt.convert(copy.deepcopy(ref))
     x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    with torch.autocast("cuda", dtype=torch.float16):  # one step each from the same weights: the same loss
-        la = ref(x).float().square().mean()
-        lb = ours(x).float().square().mean()
-    la.backward()
-    lb.backward()
-    rel = max(((p.grad.float() - q.grad.float()).norm() / (p.grad.float().norm() + 1e-12)).item()
-              for p, q in zip(ref.parameters(), ours.parameters()))
+    losses = []
+    for m in (ref, twin, ours):  # one step each from the same weights: the same loss
+        with torch.autocast("cuda", dtype=torch.float16):
+            losses.append(m(x).float().square().mean())
+        losses[-1].backward()
+    la, lb = losses[0], losses[2]
+    rel, aa = _grad_err(ref, ours), _grad_err(ref, twin)  # ours against torch; torch against itself
     status = {c.status() for _, c in ours.cudnn_graphs_report.chains}
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (ref, ours)]
     for m, o in zip((ref, ours), opts):  # warm up (plans, autotuning)
@@ -134,19 +143,60 @@ def check_cuda(name, make, batch):
         b += step_ms(ours, x, opts[1], rounds=1)
     ta, tb = statistics.median(a), statistics.median(b)
     print(f"{name}: {summary(ours.cudnn_graphs_report)} {status}; loss {la.item():.5f} vs {lb.item():.5f}, "
-          f"max grad rel err {rel:.2e}; step torch {ta:.2f} ms, ours {tb:.2f} ms ({ta / tb:.2f}x)", flush=True)
+          f"grad rel err (global, worst param) ours {rel[0]:.2e} {rel[1]}, torch-vs-torch {aa[0]:.2e} {aa[1]}; step torch {ta:.2f} ms, ours {tb:.2f} ms ({ta / tb:.2f}x)", flush=True)
+
+
+def forward_ms(model, x, autocast, rounds=1, steps=10):
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+            for _ in range(steps):
+                model(x)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / steps * 1e3)
+    return times
+
+
+def check_infer(name, make, batch):
+    """Inference, torch eval against convert(inference=True): float32 weights under autocast, and .half()."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    out = []
+    for mode in ("autocast", "half"):
+        ref = make().cuda().eval().to(memory_format=torch.channels_last)
+        ref = ref.half() if mode == "half" else ref
+        ours = cgt.convert(copy.deepcopy(ref), inference=True)
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.float16 if mode == "half" else torch.float32)
+        x = x.to(memory_format=torch.channels_last)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=mode == "autocast"):
+            err = ((ours(x).float() - ref(x).float()).norm() / ref(x).float().norm()).item()
+        for m in (ref, ours):
+            forward_ms(m, x, mode == "autocast", steps=3)
+        a, b = [], []
+        for _ in range(7):
+            a += forward_ms(ref, x, mode == "autocast")
+            b += forward_ms(ours, x, mode == "autocast")
+        ta, tb = statistics.median(a), statistics.median(b)
+        out.append(f"{mode} torch {ta:.2f} ms ours {tb:.2f} ms ({ta / tb:.2f}x, rel err {err:.1e})")
+    print(f"{name} inference (batch {batch}): " + "; ".join(out), flush=True)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--infer", action="store_true", help="on CUDA: inference timings instead of a training step")
     p.add_argument("--models", default="resnet18,resnet50,densenet121,mobilenet_v3_large,hand_resnet18,"
                                        "timm_resnet50,timm_resnet18,timm_efficientnet_b0,timm_convnext_tiny")
     args = p.parse_args(argv)
     for name, make in models(args.models.split(",")).items():
         try:
-            (check_cuda if args.device == "cuda" else check_cpu)(name, make, *([args.batch] if args.device == "cuda" else []))
+            if args.device != "cuda":
+                check_cpu(name, make)
+            else:
+                (check_infer if args.infer else check_cuda)(name, make, args.batch)
         except Exception as err:  # a probe: say what broke and go on
             print(f"{name}: FAILED {type(err).__name__}: {err}", flush=True)
 
