@@ -197,7 +197,7 @@ def why_not_site(bn: nn.Module, act, conv: nn.Module) -> str | None:
     or None (checked once, at convert)."""
     from ._conv import Conv2d
 
-    if not isinstance(bn, nn.BatchNorm2d) or not bn.affine and bn.running_mean is None:
+    if not isinstance(bn, nn.BatchNorm2d) or bn.running_mean is None:
         return f"{type(bn).__name__} is not a 2-D BatchNorm with running statistics"
     if act is None or act.name != "relu":
         return f"{act or 'no activation'} is not a ReLU (cuDNN's prologue is relu(x * scale + shift))"
