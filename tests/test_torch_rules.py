@@ -93,12 +93,25 @@ class Bottleneck(nn.Module):
 
 def test_a_hand_written_block_with_functional_activations_is_a_fused_run():
     torch.manual_seed(0)
-    net = _randomise(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), FunctionalBlock(8),
-                                   FunctionalBlock(8, stride=2)))
+    class Net(nn.Module):  # its blocks in a ModuleList, which has no forward to trace
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+            self.blocks = nn.ModuleList([FunctionalBlock(8), FunctionalBlock(8, stride=2)])
+
+        def forward(self, x):
+            x = self.stem(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net = _randomise(Net())
     ours = cgt.convert(copy.deepcopy(net))
     chains = dict(ours.cudnn_graphs_report.chains)
-    assert sorted(chains) == ["1", "2"] and chains["2"].branch is not None and chains["1"].branch is None
-    assert type(ours[1]) is FunctionalBlock and isinstance(vars(ours[1])["forward"], GraphForward)
+    assert sorted(chains) == ["blocks.0", "blocks.1"] and chains["blocks.1"].branch is not None
+    assert chains["blocks.0"].branch is None and ours.cudnn_graphs_report.untraced == []
+    block = ours.blocks[0]
+    assert type(block) is FunctionalBlock and isinstance(vars(block)["forward"], GraphForward)
     _same_training_step(ours, net, torch.randn(2, 3, 8, 8, dtype=torch.float64))
 
 

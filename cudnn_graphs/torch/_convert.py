@@ -29,7 +29,7 @@ from gpu_launch.activations import Activation
 
 from ._chain import Chain, moved, places
 from ._conv import Conv1d, Conv2d, Conv3d
-from ._graph import TraceFailed, View, install, is_leaf, survey, trace, traced_modules
+from ._graph import TraceFailed, View, container, install, is_leaf, survey, trace, traced_modules
 from ._layernorm import (convnext_block_forward, layer_norm_2d_forward, layer_norm_forward, layer_norm_kind,
                          why_not_convnext_block)
 from ._nodes import RUNNERS
@@ -271,7 +271,7 @@ def _apply_rules(model: nn.Module, report: ConversionReport, inference: bool, fu
                     if _fusable_inside(module) and tag == variants[0][0]:
                         report.untraced.append((name or type(module).__name__, opaque[id(module)]))
                     continue
-                if is_leaf(module) or id(module) in lists or not _fusable_inside(module):
+                if is_leaf(module) or container(module) or id(module) in lists or not _fusable_inside(module):
                     continue  # a module called with non-tensors is left to its caller's trace
                 _rewrite(module, name, rules, set(opaque), report, names, declined, tag, RUNNERS[under_compile])
         finally:

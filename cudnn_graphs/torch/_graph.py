@@ -84,6 +84,11 @@ def is_leaf(m: nn.Module) -> bool:
     return kind.__module__.startswith(("torch.nn", "torch.ao.nn")) and not isinstance(m, nn.Sequential)
 
 
+def container(m: nn.Module) -> bool:
+    """A module with no forward of its own (ModuleList, ModuleDict): its owner's forward calls its items."""
+    return type(m).forward is nn.Module.forward
+
+
 def trace(module: nn.Module, leaves: set[int] = frozenset(), tag: str | None = None) -> fx.Graph:
     """`module`'s forward as a graph over its submodules (TraceFailed where fx cannot). Tracing runs the
     forward's Python: a plain tensor attribute it updates in place is put back afterwards, and a forward
@@ -226,7 +231,7 @@ def survey(model: nn.Module) -> tuple[dict, set]:
     lists: set = set()
     for parent in model.modules():
         children = [c for c in parent._modules.values() if c is not None]
-        if isinstance(parent, torch.jit.ScriptModule) or is_leaf(parent) and not children:
+        if isinstance(parent, torch.jit.ScriptModule) or is_leaf(parent) and not children or container(parent):
             continue
         try:
             graph = trace(parent, {id(c) for c in children})
