@@ -9,7 +9,9 @@ import torch
 
 _frames = torch._C._dynamo.eval_frame
 _set_eval_frame = _frames.set_eval_frame
-_SKIP = _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT)
+# torch before 2.6 has no per-code strategies: there dynamo may look into the wrapper's frame (harmless)
+_skip_code = getattr(_frames, "set_code_exec_strategy", None)
+_SKIP = _frames._FrameExecStrategy(_frames._FrameAction.SKIP, _frames._FrameAction.DEFAULT) if _skip_code else None
 
 
 def outside_compile(fn: Callable) -> Callable:
@@ -27,7 +29,8 @@ def outside_compile(fn: Callable) -> Callable:
             _set_eval_frame(prior)
 
     eager._torchdynamo_disable = True  # dynamo: break the graph here, call it eagerly
-    _frames.set_code_exec_strategy(eager.__code__, _SKIP)  # and compile no frame of this wrapper (its skip_code)
+    if _skip_code is not None:
+        _skip_code(eager.__code__, _SKIP)  # and compile no frame of this wrapper (torch._dynamo's skip_code)
     return eager
 
 
