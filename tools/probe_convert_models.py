@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import cudnn_graphs.torch as cgt
+from benchmarks.harness import wall_ms
 
 
 class HandBlock(nn.Module):
@@ -95,20 +95,19 @@ def check_cpu(name, make):
           f"infer {summary(ev.cudnn_graphs_report)} err {e:.2e}", flush=True)
 
 
+def _timed(one, rounds: int, steps: int) -> list:
+    """ms per call of `one()`, one figure per round of `steps` calls (the harness's wall_ms, a round at a time)."""
+    return [wall_ms(one, calls=steps) for _ in range(rounds)]
+
+
 def step_ms(model, x, opt, rounds=5, steps=5):
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = model(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / steps * 1e3)
-    return times
+    def step():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _timed(step, rounds, steps)
 
 
 def _grad_err(a, b):
@@ -147,16 +146,10 @@ def check_cuda(name, make, batch):
 
 
 def forward_ms(model, x, autocast, rounds=1, steps=10):
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    def forward():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
-            for _ in range(steps):
-                model(x)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / steps * 1e3)
-    return times
+            model(x)
+    return _timed(forward, rounds, steps)
 
 
 def check_infer(name, make, batch):
