@@ -96,9 +96,6 @@ class FoldedConv:
             bias = shift if conv.bias is None else conv.bias.double() * scale + shift
             return (folded.to(w.dtype).contiguous(memory_format=_memory_format(w)), bias.to(w.dtype))
 
-    def status(self) -> str:
-        return "folded" if self._folded[1] is not None else "not run yet"
-
     def __deepcopy__(self, memo: dict) -> "FoldedConv":
         twin = FoldedConv(*copy.deepcopy((self.conv, self.bn), memo), self.act)
         twin.unfused_fn, twin.held = copy.deepcopy((self.unfused_fn, self.held), memo)

@@ -9,7 +9,7 @@ Adding a fusion is one node file, one rule file here and its tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch.fx as fx
@@ -27,7 +27,6 @@ class Found:
     output: fx.Node
     where: str  # the qualified name the report uses
     data: Any = None  # the rule's own reading of the nodes (stages, activation ...)
-    modules: list = field(default_factory=list)  # the modules the installed callable holds
 
 
 class Rule:

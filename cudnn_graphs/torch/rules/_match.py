@@ -87,16 +87,11 @@ def activation_at(view: View, node: fx.Node) -> Act | None:
     return of_call(node, view.called(node))
 
 
-def next_op(view: View, node: fx.Node, taken: list) -> fx.Node | None:
-    """The one user of `node` past pass-through calls (appended to `taken`); None where it has several."""
-    return follow(view, node, taken)
-
-
 def step(view: View, node: fx.Node) -> tuple:
     """(the one user of `node` past pass-throughs, those pass-throughs) where that user takes `node`'s value
     as its first argument, else (None, [])."""
     taken: list = []
-    nxt = next_op(view, node, taken)
+    nxt = follow(view, node, taken)
     if nxt is None or nxt.args[:1] != ((taken or [node])[-1],):
         return None, []
     return nxt, taken

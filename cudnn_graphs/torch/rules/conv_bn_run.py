@@ -16,9 +16,9 @@ from torch import nn
 
 from .._chain import Chain, Stage, places, why_not_plain
 from .._conv import Conv2d
-from .._graph import View, add_operands, segment
+from .._graph import View, add_operands, follow, segment
 from . import Found, Rule, register
-from ._match import activation_at, batchnorm_at, conv_at, next_op, step
+from ._match import activation_at, batchnorm_at, conv_at, step
 
 # A run of one stage (conv -> BatchNorm [-> ReLU] feeding something else) saves no pass over memory and cost
 # host time: mobilenet_v3_large, efficientnet_b0 and regnet_y_800mf trained 0.87x, 0.88x and 0.97x as fast
@@ -89,7 +89,7 @@ def _residual(view: View, run: Run, claimed: set) -> None:
     """The run's tail: `+ residual` and its activation, where the last BatchNorm's only user is an add."""
     last = run.stages[-1]
     taken: list = []
-    add = next_op(view, last.end, taken)
+    add = follow(view, last.end, taken)
     operands = None if add is None else add_operands(add)
     if operands is None or (taken or [last.end])[-1] not in operands or operands[0] is operands[1]:
         return
@@ -144,6 +144,22 @@ def why_not_stage(conv: nn.Module, bn: nn.Module) -> str | None:
     return why
 
 
+def why_not_run(run: Run) -> str | None:
+    """Why a run cannot be one fused node, or None."""
+    for st in (*run.stages, *([run.branch] if run.branch else [])):
+        why = why_not_stage(st.conv, st.bn)
+        if why is not None:
+            return why
+    if len(run.stages) < MIN_RUN_STAGES:
+        return f"a run of {len(run.stages)} stage (fused runs have {MIN_RUN_STAGES} or more: one measured slower)"
+    for st in run.stages[:-1]:
+        if st.act.name != "relu":
+            return f"activation {st.act} inside a run (cuDNN's BatchNorm prologue is ReLU only)"
+    if run.final_act is not None and run.final_act.name != "relu":
+        return f"final activation {run.final_act} (the run's output pass applies ReLU only)"
+    return None
+
+
 @register
 class ConvBatchNormRun(Rule):
     name = "conv_bn_run"
@@ -157,19 +173,7 @@ class ConvBatchNormRun(Rule):
         return Found(self, nodes, _inputs(run), run.stages[-1].end, _where(view, run), run)
 
     def why_not(self, found: Found, view: View) -> str | None:
-        run: Run = found.data
-        for st in (*run.stages, *([run.branch] if run.branch else [])):
-            why = why_not_stage(st.conv, st.bn)
-            if why is not None:
-                return why
-        if len(run.stages) < MIN_RUN_STAGES:
-            return f"a run of {len(run.stages)} stage (fused runs have {MIN_RUN_STAGES} or more: one measured slower)"
-        for st in run.stages[:-1]:
-            if st.act.name != "relu":
-                return f"activation {st.act} inside a run (cuDNN's BatchNorm prologue is ReLU only)"
-        if run.final_act is not None and run.final_act.name != "relu":
-            return f"final activation {run.final_act} (the run's output pass applies ReLU only)"
-        return None
+        return why_not_run(found.data)
 
     def install(self, found: Found, view: View):
         run: Run = found.data
@@ -180,7 +184,6 @@ class ConvBatchNormRun(Rule):
         modules = [m for st in (*stages, *([branch] if branch else [])) for m in (st.conv, st.bn, st.act)
                    if m is not None] + [m for m in (view.called(found.output),) if m is not None]
         chain.held = places(_slots(view.root, modules))
-        found.modules = modules
         return chain
 
     def call_args(self, found: Found) -> tuple:
@@ -232,6 +235,6 @@ def unpaired(view: View, claimed: set) -> list:
         if st is None:
             continue
         run = _run(view, node, claimed)
-        why = ConvBatchNormRun().why_not(Found(None, [], [], node, "", run), view) if run else None
+        why = why_not_run(run) if run else None
         out.append((view.qualified(node.target), why or "its conv -> BatchNorm is not a run's stage here"))
     return out

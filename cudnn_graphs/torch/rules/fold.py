@@ -98,8 +98,7 @@ class FoldBatchNorm(Rule):
         fold: Fold = found.data
         node = FoldedConv(fold.conv, fold.bn, None if fold.act is None else fold.act.epilogue())
         node.unfused_fn = segment(view.root, found.nodes, found.inputs, found.output)
-        found.modules = [m for m in (fold.conv, fold.bn) if m is not None]
-        node.held = places(_slots(view.root, found.modules))
+        node.held = places(_slots(view.root, [m for m in (fold.conv, fold.bn) if m is not None]))
         return node
 
     def call_args(self, found: Found) -> tuple:

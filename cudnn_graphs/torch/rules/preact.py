@@ -48,8 +48,7 @@ class PreActivationRule(Rule):
         bn, _, act_module, conv = found.data
         site = PreActivation(bn, act_module, conv)
         site.unfused_fn = segment(view.root, found.nodes, found.inputs, found.output)
-        found.modules = [m for m in (bn, act_module, conv) if m is not None]
-        site.held = places(_slots(view.root, found.modules))
+        site.held = places(_slots(view.root, [m for m in (bn, act_module, conv) if m is not None]))
         return site
 
     def call_args(self, found: Found) -> tuple:
